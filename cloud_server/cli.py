@@ -1,0 +1,54 @@
+"""`cloud-server`: loads the target model and serves split decoding over gRPC."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from shared.messages import Limits
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    defaults = Limits()
+    p = argparse.ArgumentParser(prog="cloud-server", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct, embedded), a hub id or a local path")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
+    p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
+    p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
+    p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--idle-timeout", type=int, default=defaults.session_idle_timeout_s,
+                   help="seconds a session may stay silent before it is closed")
+    return p.parse_args(argv)
+
+
+def limits_from(args: argparse.Namespace) -> Limits:
+    return Limits(max_tree_nodes=args.max_tree_nodes, max_prompt_tokens=args.max_prompt_tokens,
+                  max_new_tokens=args.max_new_tokens, max_sessions=args.max_sessions,
+                  session_idle_timeout_s=args.idle_timeout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        from cloud_server import model_store
+        from cloud_server.server import build_service, serve
+        from cloud_server.target import TargetModel
+
+        path, model_id = model_store.resolve(args.model)
+        print(f"loading {model_id} ...", file=sys.stderr, flush=True)
+        target = TargetModel.load(path, model_id, args.device)
+        service = build_service(target, limits_from(args))
+        print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
+        asyncio.run(serve(service, args.host, args.port))
+    except (OSError, RuntimeError, ValueError) as err:
+        print(f"cloud-server: error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

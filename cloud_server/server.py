@@ -1,0 +1,67 @@
+"""Builds and runs the grpc.aio server: the service, the health service, graceful stop."""
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from cloud_server.artifacts import TOKENIZER_NAME, ArtifactStore
+from cloud_server.service import SplitDecodingService
+from cloud_server.target import TargetModel
+from shared.messages import ArtifactKind, Limits
+from shared.pb.splitdec.v1 import splitdec_pb2, splitdec_pb2_grpc
+
+SERVICE_NAME = splitdec_pb2.DESCRIPTOR.services_by_name["SplitDecoding"].full_name
+GRACE_S = 5.0
+
+
+def server_options(limits: Limits) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", limits.max_message_bytes),
+        ("grpc.max_send_message_length", limits.max_message_bytes),
+        # Edge clients ping every second to notice a dead link within ~2 s (DESIGN section 5);
+        # accept those pings instead of answering GOAWAY "too_many_pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", 500),
+        ("grpc.http2.max_ping_strikes", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def build_service(target: TargetModel, limits: Limits) -> SplitDecodingService:
+    artifacts = ArtifactStore()
+    artifacts.add(TOKENIZER_NAME, ArtifactKind.TOKENIZER, target.tokenizer_json())
+    return SplitDecodingService(target, limits, artifacts)
+
+
+async def start(service: SplitDecodingService, host: str, port: int
+                ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """Starts serving; returns the server, the bound port and the health servicer."""
+    server = grpc.aio.server(options=server_options(service.limits))
+    splitdec_pb2_grpc.add_SplitDecodingServicer_to_server(service, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return server, bound, health_servicer
+
+
+async def serve(service: SplitDecodingService, host: str, port: int) -> None:
+    """Serves until SIGTERM or SIGINT, then stops taking work and drains for GRACE_S."""
+    server, bound, health_servicer = await start(service, host, port)
+    print(f"listening on {host}:{bound}", flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    print("stopping: draining sessions", file=sys.stderr, flush=True)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(GRACE_S)
+    service.shutdown()

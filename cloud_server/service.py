@@ -1,0 +1,140 @@
+"""The gRPC boundary: protobuf in, domain calls on the model thread, protobuf out.
+
+Model work never runs on the event loop: one worker thread owns the model, so forward passes
+of different sessions queue there and each session keeps its own KV cache. Domain errors become
+gRPC status codes here and nowhere else.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import AsyncIterator, Callable, TypeVar
+
+import grpc
+
+from cloud_server.artifacts import ArtifactStore
+from cloud_server.session import Session
+from cloud_server.target import TargetModel
+from shared import wire
+from shared.errors import InvalidRequest, OutOfOrder, Overloaded, SplitDecodingError
+from shared.messages import (
+    PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, ServerInfo, Verdict,
+)
+from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+CHUNK_BYTES = 256 * 1024
+STATUS_OF = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+def _grpc_status(handler):
+    """Maps a domain error raised by a handler to its status code, with the error's message."""
+    @functools.wraps(handler)
+    async def wrapped(self, request, context):
+        try:
+            return await handler(self, request, context)
+        except SplitDecodingError as err:
+            await context.abort(STATUS_OF[type(err)], str(err))
+    return wrapped
+
+
+class SplitDecodingService(pb_grpc.SplitDecodingServicer):
+    def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore):
+        self.target = target
+        self.limits = limits
+        self.artifacts = artifacts
+        self.sessions: dict[str, Session] = {}
+        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+
+    def info(self) -> ServerInfo:
+        return ServerInfo(
+            protocol_version=PROTOCOL_VERSION, model_id=self.target.model_id,
+            tokenizer_sha256=self.artifacts.tokenizer().sha256,
+            vocab_size=self.target.vocab_size, stop_token_ids=self.target.stop_token_ids(),
+            limits=self.limits, artifacts=self.artifacts.listing())
+
+    async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
+        return wire.info_to_proto(self.info())
+
+    async def FetchArtifact(self, request: pb.FetchArtifactRequest, context
+                            ) -> AsyncIterator[pb.ArtifactChunk]:
+        found = self.artifacts.get(request.name)
+        if found is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no artifact named {request.name!r}")
+        info, data = found
+        for offset in range(0, len(data), CHUNK_BYTES):
+            yield pb.ArtifactChunk(data=data[offset: offset + CHUNK_BYTES], offset=offset,
+                                   total_size=len(data), sha256=info.sha256)
+
+    @_grpc_status
+    async def Decode(self, request_iterator, context) -> None:
+        opening = await self._read(context)
+        if opening is None:
+            return
+        if not isinstance(opening, OpenRequest):
+            raise OutOfOrder("no open session on this stream: the first message must be open")
+        session = await self._open(opening)
+        try:
+            await context.write(wire.server_to_proto(session.opened()))
+            await context.write(wire.server_to_proto(await self._on_model(session.prefill)))
+            await self._serve_rounds(session, context)
+        finally:
+            self.sessions.pop(session.id, None)
+
+    async def _serve_rounds(self, session: Session, context) -> None:
+        """Verifies drafts until the generation finishes or the client closes, then says Done;
+        anything sent after that is refused as addressed to a closed session."""
+        while not session.finished:
+            msg = await self._read(context)
+            if msg is None:
+                return
+            if isinstance(msg, CloseRequest):
+                break
+            if isinstance(msg, OpenRequest):
+                raise OutOfOrder("a session is already open on this stream")
+            await context.write(wire.server_to_proto(await self._verify(session, msg)))
+        await context.write(wire.server_to_proto(session.done()))
+        if await self._read(context) is not None:
+            raise OutOfOrder(f"session {session.id} is closed")
+
+    async def _open(self, request: OpenRequest) -> Session:
+        if len(self.sessions) >= self.limits.max_sessions:
+            raise Overloaded(f"server is at its limit of {self.limits.max_sessions} sessions; "
+                             "retry in a few seconds")
+        session = await self._on_model(Session, self.target, self.limits, request)
+        self.sessions[session.id] = session
+        return session
+
+    async def _verify(self, session: Session, draft: DraftRequest) -> Verdict:
+        queued = time.perf_counter()
+        started: list[float] = []
+
+        def run() -> Verdict:
+            started.append(time.perf_counter())
+            return session.verify(draft)
+
+        verdict = await self._on_model(run)
+        return replace(verdict, queue_ms=1000 * (started[0] - queued))
+
+    async def _read(self, context):
+        """The next client message as a domain object; None at the end of the stream."""
+        try:
+            raw = await asyncio.wait_for(context.read(), self.limits.session_idle_timeout_s)
+        except asyncio.TimeoutError:
+            raise OutOfOrder(f"session idle for {self.limits.session_idle_timeout_s} s; "
+                             "closed") from None
+        return None if raw is grpc.aio.EOF else wire.client_from_proto(raw)
+
+    async def _on_model(self, fn: Callable[..., T], *args) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+
+    def shutdown(self) -> None:
+        self._model_thread.shutdown(wait=True, cancel_futures=True)

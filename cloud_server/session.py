@@ -1,0 +1,118 @@
+"""One generation on the server: its committed text, KV cache and round bookkeeping.
+
+The committed text is the prompt plus every token the target has agreed to. All of it but the
+last token ("pending") is in the KV cache; each round forwards the pending token together with
+the draft tree, so the tree's first level is checked against the target's prediction after the
+pending token. Runs on the model thread only; knows nothing of gRPC.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+
+from cloud_server.target import TargetModel, keep_path
+from shared.acceptance import accept_greedy
+from shared.errors import InvalidRequest, OutOfOrder
+from shared.messages import Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Verdict
+
+
+class Session:
+    def __init__(self, target: TargetModel, limits: Limits, request: OpenRequest):
+        self.id = uuid.uuid4().hex
+        self.target = target
+        self.limits = limits
+        self.prompt_ids = self._prompt_ids(request)
+        self.max_new_tokens, self._cap_reason = self._token_budget(request.max_new_tokens)
+        self.committed: list[int] = list(self.prompt_ids)
+        self.rounds = 0
+        self.finish_reason = FinishReason.NOT_FINISHED
+        self._cache = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.committed) - len(self.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not FinishReason.NOT_FINISHED
+
+    def _prompt_ids(self, request: OpenRequest) -> tuple[int, ...]:
+        if request.chat is not None:
+            if not request.chat:
+                raise InvalidRequest("chat prompt has no messages")
+            ids = tuple(self.target.apply_chat_template(request.chat))
+        else:
+            ids = tuple(request.prompt_ids or ())
+        if not ids:
+            raise InvalidRequest("prompt is empty")
+        if len(ids) > self.limits.max_prompt_tokens:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens, the limit is {self.limits.max_prompt_tokens}")
+        vocab = self.target.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad} is outside [0, {vocab})")
+        return ids
+
+    def _token_budget(self, requested: int) -> tuple[int, FinishReason]:
+        limit = self.limits.max_new_tokens
+        if requested > limit:
+            raise InvalidRequest(f"max_new_tokens {requested} is over the server's limit {limit}")
+        room = self.target.max_context - len(self.prompt_ids) - self.limits.max_tree_depth - 1
+        if room < 1:
+            raise InvalidRequest(f"prompt of {len(self.prompt_ids)} tokens leaves no room in the "
+                                 f"model's context of {self.target.max_context}")
+        wanted = requested or limit
+        if room < wanted:
+            return room, FinishReason.CONTEXT
+        return wanted, FinishReason.LENGTH
+
+    def opened(self) -> Opened:
+        return Opened(self.id, self.prompt_ids)
+
+    def prefill(self) -> Verdict:
+        """Round 0: runs the prompt and commits the target's first token."""
+        start = time.perf_counter()
+        self._cache, logits = self.target.prefill(list(self.prompt_ids))
+        first = int(logits.argmax())
+        return self._commit((), (first,), start)
+
+    def verify(self, draft: DraftRequest) -> Verdict:
+        """One round: checks the tree against the target and commits what it agrees with."""
+        self._check_order(draft)
+        draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
+                            self.limits.max_tree_depth)
+        start = time.perf_counter()
+        base = len(self.committed) - 1
+        logits = self.target.forward_tree(self._cache, self.committed[-1], draft.tree)
+        acceptance = accept_greedy(draft.tree, logits.argmax(-1).cpu().numpy())
+        keep_path(self._cache, base, acceptance.accepted_nodes)
+        self.rounds += 1
+        return self._commit(acceptance.accepted_nodes, acceptance.tokens, start)
+
+    def _check_order(self, draft: DraftRequest) -> None:
+        if self.finished:
+            raise OutOfOrder(f"generation already finished ({self.finish_reason.name.lower()})")
+        if draft.round_id != self.rounds + 1:
+            raise OutOfOrder(f"round {draft.round_id} out of order: expected {self.rounds + 1}")
+        if draft.base_length != len(self.committed):
+            raise OutOfOrder(f"draft continues {draft.base_length} tokens, but "
+                             f"{len(self.committed)} are committed")
+
+    def _commit(self, accepted: tuple[int, ...], tokens: tuple[int, ...], start: float) -> Verdict:
+        tokens = tokens[: self.max_new_tokens - self.generated]
+        stops = set(self.target.stop_token_ids())
+        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
+        if cut is not None:
+            tokens = tokens[: cut + 1]
+            self.finish_reason = FinishReason.STOP_TOKEN
+        self.committed.extend(tokens)
+        if not self.finished and self.generated >= self.max_new_tokens:
+            self.finish_reason = self._cap_reason
+        return Verdict(
+            round_id=self.rounds, accepted_nodes=accepted[: len(tokens)],
+            tokens=tokens, committed_length=len(self.committed), finish_reason=self.finish_reason,
+            verify_ms=1000 * (time.perf_counter() - start))
+
+    def done(self) -> Done:
+        return Done(self.finish_reason, self.generated, self.rounds)

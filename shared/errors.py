@@ -1,0 +1,22 @@
+"""Domain errors that the server's boundary turns into gRPC status codes.
+
+Model and session code raise these; only `cloud_server/service.py` knows about gRPC.
+"""
+from __future__ import annotations
+
+
+class SplitDecodingError(Exception):
+    """Base class: a request the server refuses, with a message meant for the caller."""
+
+
+class InvalidRequest(SplitDecodingError):
+    """Malformed input: bad token ids, a bad tree, a prompt over the limit (INVALID_ARGUMENT)."""
+
+
+class OutOfOrder(SplitDecodingError):
+    """A valid message at the wrong moment: wrong round, stale base, no open session
+    (FAILED_PRECONDITION)."""
+
+
+class Overloaded(SplitDecodingError):
+    """Over a capacity limit such as the session count (RESOURCE_EXHAUSTED)."""

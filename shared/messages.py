@@ -1,0 +1,108 @@
+"""Domain types of the protocol: what both sides reason about, free of protobuf.
+
+`shared/wire.py` is the only place these meet the generated protobuf classes.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from shared.tree import DraftTree
+
+PROTOCOL_VERSION = 1
+
+
+class FinishReason(enum.Enum):
+    NOT_FINISHED = 0
+    STOP_TOKEN = 1
+    LENGTH = 2
+    CONTEXT = 3
+
+
+class ArtifactKind(enum.Enum):
+    TOKENIZER = 1
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tree_nodes: int = 128
+    max_tree_depth: int = 32
+    max_prompt_tokens: int = 4096
+    max_new_tokens: int = 2048
+    max_sessions: int = 16
+    max_message_bytes: int = 4 * 1024 * 1024
+    session_idle_timeout_s: int = 300
+
+
+@dataclass(frozen=True)
+class ArtifactInfo:
+    name: str
+    kind: ArtifactKind
+    sha256: str
+    size_bytes: int
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    protocol_version: int
+    model_id: str
+    tokenizer_sha256: str
+    vocab_size: int
+    stop_token_ids: tuple[int, ...]
+    limits: Limits
+    artifacts: tuple[ArtifactInfo, ...]
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class OpenRequest:
+    """Exactly one of `prompt_ids` (used as given) and `chat` (templated by the server)."""
+
+    prompt_ids: tuple[int, ...] | None = None
+    chat: tuple[ChatMessage, ...] | None = None
+    max_new_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    round_id: int
+    base_length: int
+    tree: DraftTree
+
+
+@dataclass(frozen=True)
+class CloseRequest:
+    pass
+
+
+@dataclass(frozen=True)
+class Opened:
+    session_id: str
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    round_id: int
+    accepted_nodes: tuple[int, ...]
+    tokens: tuple[int, ...]  # accepted drafts then the target's own token
+    committed_length: int
+    finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    queue_ms: float = 0.0
+    verify_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: FinishReason
+    generated_tokens: int
+    rounds: int
+
+
+ClientMessage = OpenRequest | DraftRequest | CloseRequest
+ServerMessage = Opened | Verdict | Done

@@ -1,0 +1,86 @@
+"""Draft token trees: tokens plus parent indices, from which depths, paths and masks follow.
+
+A tree continues the committed text. Node i holds `tokens[i]`; `parents[i]` is -1 for a child
+of the last committed token, otherwise an earlier node (so nodes are in topological order).
+Mask and positions are never sent; both sides derive them from `parents` (DESIGN section 4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from shared.errors import InvalidRequest
+
+ROOT = -1
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    tokens: tuple[int, ...]
+    parents: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @staticmethod
+    def chain(tokens: Sequence[int]) -> "DraftTree":
+        """A single path: each token the child of the one before."""
+        return DraftTree(tuple(tokens), tuple(range(-1, len(tokens) - 1)))
+
+    def depths(self) -> np.ndarray:
+        """depths: [n] with 0 for children of the committed text."""
+        depth = np.zeros(len(self), dtype=np.int64)
+        for i, parent in enumerate(self.parents):
+            depth[i] = 0 if parent == ROOT else depth[parent] + 1
+        return depth
+
+    def ancestor_mask(self) -> np.ndarray:
+        """mask: [n, n] bool, mask[i, j] is True when node j is node i or one of its ancestors."""
+        n = len(self)
+        mask = np.zeros((n, n), dtype=bool)
+        for i, parent in enumerate(self.parents):
+            if parent != ROOT:
+                mask[i] = mask[parent]
+            mask[i, i] = True
+        return mask
+
+    def children(self, node: int) -> list[int]:
+        """Children of `node` (ROOT for the first level) in draft order."""
+        return [i for i, parent in enumerate(self.parents) if parent == node]
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root level down to `node` inclusive."""
+        path = []
+        while node != ROOT:
+            path.append(self.tokens[node])
+            node = self.parents[node]
+        return path[::-1]
+
+    def validate(self, vocab_size: int, max_nodes: int, max_depth: int) -> None:
+        """Raises InvalidRequest with a message naming the first problem found."""
+        n = len(self.tokens)
+        if n == 0:
+            raise InvalidRequest("draft tree is empty: send at least one node")
+        if n > max_nodes:
+            raise InvalidRequest(f"draft tree has {n} nodes, the limit is {max_nodes}")
+        if len(self.parents) != n:
+            raise InvalidRequest(f"draft tree has {n} tokens but {len(self.parents)} parents")
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents)):
+            if not 0 <= token < vocab_size:
+                raise InvalidRequest(f"token id {token} at node {i} is outside [0, {vocab_size})")
+            if not ROOT <= parent < i:
+                raise InvalidRequest(
+                    f"parent {parent} of node {i} must be -1 or an earlier node index")
+        self._check_no_duplicate_siblings()
+        depth = int(self.depths().max()) + 1
+        if depth > max_depth:
+            raise InvalidRequest(f"draft tree is {depth} deep, the limit is {max_depth}")
+
+    def _check_no_duplicate_siblings(self) -> None:
+        seen: set[tuple[int, int]] = set()
+        for i, key in enumerate(zip(self.parents, self.tokens)):
+            if key in seen:
+                raise InvalidRequest(f"node {i} repeats token {key[1]} under the same parent")
+            seen.add(key)

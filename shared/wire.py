@@ -1,0 +1,108 @@
+"""The wire codec: protobuf messages <-> domain types. The one module that touches both."""
+from __future__ import annotations
+
+from shared.errors import InvalidRequest
+from shared.messages import (
+    ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage, CloseRequest, Done, DraftRequest,
+    FinishReason, Limits, OpenRequest, Opened, ServerInfo, ServerMessage, Verdict,
+)
+from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+from shared.tree import DraftTree
+
+_LIMIT_FIELDS = tuple(Limits.__dataclass_fields__)
+
+
+def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        protocol_version=info.protocol_version,
+        model_id=info.model_id,
+        tokenizer_sha256=info.tokenizer_sha256,
+        vocab_size=info.vocab_size,
+        stop_token_ids=info.stop_token_ids,
+        limits=pb.Limits(**{f: getattr(info.limits, f) for f in _LIMIT_FIELDS}),
+        artifacts=[
+            pb.Artifact(name=a.name, kind=a.kind.value, sha256=a.sha256, size_bytes=a.size_bytes)
+            for a in info.artifacts
+        ],
+    )
+
+
+def info_from_proto(msg: pb.InfoResponse) -> ServerInfo:
+    return ServerInfo(
+        protocol_version=msg.protocol_version,
+        model_id=msg.model_id,
+        tokenizer_sha256=msg.tokenizer_sha256,
+        vocab_size=msg.vocab_size,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        limits=Limits(**{f: getattr(msg.limits, f) for f in _LIMIT_FIELDS}),
+        artifacts=tuple(
+            ArtifactInfo(a.name, ArtifactKind(a.kind), a.sha256, a.size_bytes)
+            for a in msg.artifacts
+        ),
+    )
+
+
+def client_to_proto(msg: ClientMessage) -> pb.ClientMessage:
+    if isinstance(msg, OpenRequest):
+        open_msg = pb.Open(max_new_tokens=msg.max_new_tokens)
+        if msg.chat is not None:
+            open_msg.chat.messages.extend(
+                pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
+        else:
+            open_msg.input_ids.ids.extend(msg.prompt_ids or ())
+        return pb.ClientMessage(open=open_msg)
+    if isinstance(msg, DraftRequest):
+        return pb.ClientMessage(draft=pb.Draft(
+            round_id=msg.round_id, base_length=msg.base_length,
+            tokens=msg.tree.tokens, parents=msg.tree.parents))
+    return pb.ClientMessage(close=pb.Close())
+
+
+def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
+    kind = msg.WhichOneof("kind")
+    if kind == "open":
+        return _open_from_proto(msg.open)
+    if kind == "draft":
+        d = msg.draft
+        return DraftRequest(d.round_id, d.base_length, DraftTree(tuple(d.tokens), tuple(d.parents)))
+    if kind == "close":
+        return CloseRequest()
+    raise InvalidRequest("client message has no open, draft or close")
+
+
+def _open_from_proto(msg: pb.Open) -> OpenRequest:
+    which = msg.WhichOneof("prompt")
+    if which == "chat":
+        chat = tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages)
+        return OpenRequest(chat=chat, max_new_tokens=msg.max_new_tokens)
+    if which == "input_ids":
+        return OpenRequest(prompt_ids=tuple(msg.input_ids.ids), max_new_tokens=msg.max_new_tokens)
+    raise InvalidRequest("open has no prompt: set input_ids or chat")
+
+
+def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
+    if isinstance(msg, Opened):
+        return pb.ServerMessage(opened=pb.Opened(session_id=msg.session_id,
+                                                 prompt_ids=msg.prompt_ids))
+    if isinstance(msg, Verdict):
+        return pb.ServerMessage(verdict=pb.Verdict(
+            round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
+            committed_length=msg.committed_length, finish_reason=msg.finish_reason.value,
+            timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms)))
+    return pb.ServerMessage(done=pb.Done(
+        finish_reason=msg.finish_reason.value, generated_tokens=msg.generated_tokens,
+        rounds=msg.rounds))
+
+
+def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
+    kind = msg.WhichOneof("kind")
+    if kind == "opened":
+        return Opened(msg.opened.session_id, tuple(msg.opened.prompt_ids))
+    if kind == "verdict":
+        v = msg.verdict
+        return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,
+                       FinishReason(v.finish_reason), v.timings.queue_ms, v.timings.verify_ms)
+    if kind == "done":
+        d = msg.done
+        return Done(FinishReason(d.finish_reason), d.generated_tokens, d.rounds)
+    raise ValueError("server message has no opened, verdict or done")

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_model import build_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_model_dir: Path):
+    from cloud_server.target import TargetModel
+
+    return TargetModel.load(str(tiny_model_dir), "tiny-llama", device="cpu")

@@ -1,0 +1,49 @@
+"""The backbone equivalence: one tree forward gives each node the logits of its own path."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from cloud_server.target import keep_path
+from shared.tree import DraftTree
+
+PROMPT = [5, 17, 42, 99, 7, 61]
+TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17),
+                 parents=(-1, -1, 0, 0, 1, 2, 5, 4))
+
+
+def causal_logits(target, ids: list[int]) -> torch.Tensor:
+    """logits: [len(ids), vocab] from a plain causal forward with no cache."""
+    with torch.inference_mode():
+        return target.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def test_tree_forward_matches_each_path(tiny_target):
+    pending = 30
+    cache, _ = tiny_target.prefill(PROMPT)
+    logits = tiny_target.forward_tree(cache, pending, TREE)  # [1 + n, vocab]
+    base = PROMPT + [pending]
+    torch.testing.assert_close(logits[0], causal_logits(tiny_target, base)[-1], atol=1e-4, rtol=0)
+    for node in range(len(TREE)):
+        path = base + TREE.path_tokens(node)
+        expected = causal_logits(tiny_target, path)[-1]
+        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=0)
+
+
+def test_compacted_cache_continues_like_plain_decoding(tiny_target):
+    pending = 30
+    cache, _ = tiny_target.prefill(PROMPT)
+    tiny_target.forward_tree(cache, pending, TREE)
+    accepted = (1, 4, 7)  # 11 -> 14 -> 17
+    keep_path(cache, len(PROMPT), accepted)
+    assert cache.get_seq_length() == len(PROMPT) + 1 + len(accepted)
+    nxt = tiny_target.forward_tree(cache, 3, DraftTree.chain([8]))
+    committed = PROMPT + [pending] + [TREE.tokens[i] for i in accepted] + [3, 8]
+    expected = causal_logits(tiny_target, committed)[-2:]
+    torch.testing.assert_close(nxt, expected, atol=1e-4, rtol=0)
+
+
+def test_prefill_returns_last_position_logits(tiny_target):
+    _, last = tiny_target.prefill(PROMPT)
+    np.testing.assert_allclose(last.numpy(), causal_logits(tiny_target, PROMPT)[-1].numpy(),
+                               atol=1e-4)
