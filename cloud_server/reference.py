@@ -1,0 +1,53 @@
+"""Plain greedy decoding of the target, and the rule that judges split output against it.
+
+Split decoding must emit exactly what plain greedy decoding emits. fp32 sums over a tree batch
+and over one token are ordered differently, so where the target's top two logits are within
+rounding of each other the two may pick different tokens; such a divergence is allowed only when
+the top-2 gap at that position is below NEAR_TIE (DESIGN section 4).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from cloud_server.target import TargetModel
+
+NEAR_TIE = 1e-3
+
+
+@torch.inference_mode()
+def plain_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
+    """transformers `generate`, greedy, stopping at the target's stop tokens (kept)."""
+    ids = torch.tensor([list(prompt_ids)], device=target.device)
+    stops = list(target.stop_token_ids())
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                max_new_tokens=max_new_tokens, eos_token_id=stops,
+                                pad_token_id=stops[0], top_p=None, top_k=None, temperature=None)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    divergence: int | None  # first index where the outputs differ, None when equal
+    top2_gap: float  # the target's top-2 logit gap there (inf when equal)
+
+    @property
+    def lossless(self) -> bool:
+        return self.divergence is None or self.top2_gap < NEAR_TIE
+
+
+@torch.inference_mode()
+def compare(target: TargetModel, prompt_ids: Sequence[int], split: Sequence[int],
+            plain: Sequence[int]) -> Comparison:
+    """Where `split` first departs from `plain`, and how close the target's call was there."""
+    n = min(len(split), len(plain))
+    j = next((i for i in range(n) if split[i] != plain[i]), None)
+    if j is None:
+        # One may simply be a prefix of the other when both stopped at a length limit.
+        return Comparison(None if len(split) == len(plain) else n, float("inf"))
+    ids = torch.tensor([list(prompt_ids) + list(plain[:j])], device=target.device)
+    logits = target.model(input_ids=ids).logits[0, -1].float()
+    top2 = torch.topk(logits, 2).values
+    return Comparison(j, float(top2[0] - top2[1]))

@@ -1,0 +1,91 @@
+"""Batch mode: prompts from JSONL in, one result line per prompt out.
+
+Input lines: {"id", "prompt"} (chat template applied), {"id", "messages": [...]}, or
+{"id", "input_ids": [...]} (used as given). Output field names are a contract: benchmarks and
+outside scripts read them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from edge_client.client import EdgeClient
+from edge_client.generate import GenerationResult
+from edge_client.link import LinkError, ServerUnreachable
+from shared.messages import ChatMessage, OpenRequest
+
+
+class BadInput(ValueError):
+    """A prompts file line that cannot be turned into a request."""
+
+
+def read_prompts(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    with path.open() as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise BadInput(f"{path}:{lineno}: not JSON ({err.msg})") from None
+
+
+def to_request(item: dict[str, Any], max_new_tokens: int) -> OpenRequest:
+    if "input_ids" in item:
+        ids = item["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
+            raise BadInput("input_ids must be a list of integers")
+        return OpenRequest(prompt_ids=tuple(ids), max_new_tokens=max_new_tokens)
+    if "messages" in item:
+        try:
+            chat = tuple(ChatMessage(str(m["role"]), str(m["content"])) for m in item["messages"])
+        except (KeyError, TypeError):
+            raise BadInput("messages must be a list of {role, content}") from None
+        return OpenRequest(chat=chat, max_new_tokens=max_new_tokens)
+    if isinstance(item.get("prompt"), str):
+        chat = (ChatMessage("user", item["prompt"]),)
+        return OpenRequest(chat=chat, max_new_tokens=max_new_tokens)
+    raise BadInput("each line needs one of: prompt, messages, input_ids")
+
+
+def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str, Any]:
+    return {
+        "id": item_id,
+        "output_ids": result.output_ids,
+        "text": text,
+        "finish_reason": result.finish_reason.name.lower(),
+        "prompt_tokens": len(result.prompt_ids),
+        "new_tokens": len(result.output_ids),
+        "rounds": result.rounds,
+        "drafted_tokens": result.drafted_tokens,
+        "accepted_tokens": result.accepted_tokens,
+        "tau": round(result.tau, 4),
+        "server_calls": result.server_calls,
+        "tokens_per_s": round(result.tokens_per_s, 3),
+        "wall_s": round(result.wall_s, 4),
+        "ttft_s": round(result.ttft_s, 4),
+        "bytes_up": result.bytes_up,
+        "bytes_down": result.bytes_down,
+    }
+
+
+async def run_batch(client: EdgeClient, prompts: Path, out: Path) -> tuple[int, int]:
+    """Generates for every line; a refused line gets an `error` record and the run goes on.
+    Returns (succeeded, failed)."""
+    ok = failed = 0
+    with out.open("w") as sink:
+        for lineno, item in read_prompts(prompts):
+            item_id = item.get("id", lineno)
+            try:
+                request = to_request(item, client.options.max_new_tokens)
+                result = await client.generate(request)
+                record = result_record(item_id, result, client.decode(result.output_ids))
+                ok += 1
+            except ServerUnreachable:
+                raise
+            except (BadInput, LinkError) as err:
+                record = {"id": item_id, "error": str(err)}
+                failed += 1
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+    return ok, failed

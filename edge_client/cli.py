@@ -1,0 +1,106 @@
+"""`edge-client`: answer one prompt with live output, or a JSONL file of prompts (`run`).
+
+    edge-client --server HOST:PORT "prompt"
+    edge-client run --server HOST:PORT --prompts IN.jsonl --out OUT.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from pathlib import Path
+
+from edge_client.batch import BadInput, run_batch
+from edge_client.client import DEFAULT_DRAFTER, DEFAULT_TREE_NODES, ClientOptions, EdgeClient
+from edge_client.drafters import DRAFTERS
+from edge_client.generate import GenerationResult
+from edge_client.link import LinkError
+from shared.messages import ChatMessage, OpenRequest
+
+EXIT_USAGE, EXIT_LINK = 2, 3
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
+    p.add_argument("--drafter", choices=sorted(DRAFTERS), default=DEFAULT_DRAFTER)
+    p.add_argument("--max-new-tokens", type=positive, default=256)
+    p.add_argument("--tree-nodes", type=positive, default=DEFAULT_TREE_NODES,
+                   help="draft tree budget per round (capped by the server's limit)")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    if argv[:1] == ["run"]:
+        p = argparse.ArgumentParser(prog="edge-client run", description="batch mode")
+        add_common(p)
+        p.add_argument("--prompts", type=Path, required=True, help="input JSONL")
+        p.add_argument("--out", type=Path, required=True, help="output JSONL")
+        args = p.parse_args(argv[1:])
+        args.command = "run"
+        return args
+    p = argparse.ArgumentParser(prog="edge-client", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common(p)
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send the prompt's tokens as they are, without the chat template")
+    p.add_argument("prompt")
+    args = p.parse_args(argv)
+    args.command = "ask"
+    return args
+
+
+def stats_line(r: GenerationResult) -> str:
+    return (f"[{len(r.output_ids)} tokens, {r.tokens_per_s:.1f} tok/s, {r.rounds} rounds, "
+            f"tau {r.tau:.2f}, {r.server_calls} server calls, {r.bytes_up} B up / "
+            f"{r.bytes_down} B down, ttft {r.ttft_s * 1000:.0f} ms, "
+            f"{r.finish_reason.name.lower()}]")
+
+
+async def ask(args: argparse.Namespace, options: ClientOptions) -> int:
+    async with EdgeClient(args.server, options) as client:
+        if args.no_chat_template:
+            request = OpenRequest(prompt_ids=tuple(client.encode(args.prompt)),
+                                  max_new_tokens=options.max_new_tokens)
+        else:
+            request = OpenRequest(chat=(ChatMessage("user", args.prompt),),
+                                  max_new_tokens=options.max_new_tokens)
+        result = await client.generate(request, on_text=print_live)
+    print(flush=True)
+    print(stats_line(result), file=sys.stderr)
+    return 0
+
+
+def print_live(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+async def batch(args: argparse.Namespace, options: ClientOptions) -> int:
+    async with EdgeClient(args.server, options) as client:
+        ok, failed = await run_batch(client, args.prompts, args.out)
+    print(f"[{ok} done, {failed} failed -> {args.out}]", file=sys.stderr)
+    return 0 if failed == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    options = ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens)
+    command = ask if args.command == "ask" else batch
+    try:
+        return asyncio.run(command(args, options))
+    except (LinkError, BadInput, OSError) as err:
+        print(f"edge-client: error: {err}", file=sys.stderr)
+        return EXIT_LINK if isinstance(err, LinkError) else EXIT_USAGE
+    except KeyboardInterrupt:
+        print("\nedge-client: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""What the CLI and batch mode share: connect, check the server, fetch the tokenizer, generate."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from tokenizers import Tokenizer
+
+from edge_client.drafters import make_drafter
+from edge_client.generate import GenerationResult, split_generate
+from edge_client.link import LinkConfig, LinkError, ServerLink
+from edge_client.tokenizer import TextStream, load_tokenizer
+from shared.messages import PROTOCOL_VERSION, OpenRequest, ServerInfo
+
+DEFAULT_DRAFTER = "pld"
+DEFAULT_TREE_NODES = 32
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    drafter: str = DEFAULT_DRAFTER
+    tree_nodes: int = DEFAULT_TREE_NODES
+    max_new_tokens: int = 256
+
+
+class EdgeClient:
+    def __init__(self, address: str, options: ClientOptions, config: LinkConfig = LinkConfig()):
+        self.options = options
+        self.link = ServerLink(address, config)
+        self.info: ServerInfo | None = None
+        self.tokenizer: Tokenizer | None = None
+
+    async def __aenter__(self) -> "EdgeClient":
+        self.info = await self.link.info()
+        if self.info.protocol_version != PROTOCOL_VERSION:
+            raise LinkError(f"server speaks protocol v{self.info.protocol_version}, "
+                            f"this client v{PROTOCOL_VERSION}")
+        self.tokenizer = await load_tokenizer(self.link, self.info)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.link.__aexit__(*exc)
+
+    @property
+    def max_nodes(self) -> int:
+        return min(self.options.tree_nodes, self.info.limits.max_tree_nodes)
+
+    async def generate(self, request: OpenRequest,
+                       on_text: Callable[[str], None] | None = None) -> GenerationResult:
+        text = TextStream(self.tokenizer)
+
+        def on_tokens(ids: list[int]) -> None:
+            piece = text.push(ids)
+            if piece and on_text is not None:
+                on_text(piece)
+
+        drafter = make_drafter(self.options.drafter, depth_limit=self.info.limits.max_tree_depth)
+        return await split_generate(self.link, drafter, request, self.max_nodes, on_tokens)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids

@@ -1,0 +1,39 @@
+"""Runs a real cloud-server (grpc.aio, in-process) on a free loopback port for tests."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from cloud_server.server import build_service, start
+from cloud_server.target import TargetModel
+from shared.messages import Limits
+
+
+class ServerThread:
+    """The server on its own event loop in a daemon thread; `address` is HOST:PORT."""
+
+    def __init__(self, target: TargetModel, limits: Limits = Limits()):
+        self.service = build_service(target, limits)
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.address = ""
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server, port, _ = self._loop.run_until_complete(start(self.service, "127.0.0.1", 0))
+        self._server = server
+        self.address = f"127.0.0.1:{port}"
+        self._ready.set()
+        self._loop.run_forever()
+
+    def __enter__(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait(30)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fut = asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop)
+        fut.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -1,0 +1,72 @@
+"""The CLIs as a user runs them: real processes, real ports."""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli_harness import running_server
+
+EDGE = [sys.executable, "-m", "edge_client.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_missing_server_is_one_line_and_nonzero_exit():
+    proc = subprocess.run(EDGE + ["--server", f"127.0.0.1:{free_port()}", "hello"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 3
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the server" in lines[0], proc.stderr
+
+
+def test_batch_with_missing_server_fails_cleanly(tmp_path):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text(json.dumps({"id": 1, "prompt": "hi"}) + "\n")
+    proc = subprocess.run(EDGE + ["run", "--server", f"127.0.0.1:{free_port()}", "--prompts",
+                                  str(prompts), "--out", str(tmp_path / "out.jsonl")],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 3 and "cannot reach" in proc.stderr
+
+
+def test_bad_arguments_exit_2():
+    proc = subprocess.run(EDGE + ["--server", "x:1", "--drafter", "nope", "hi"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+
+
+@pytest.mark.slow
+def test_ask_and_batch_against_real_server(tmp_path):
+    with running_server() as address:
+        proc = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
+                                      "What is the capital of France?"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "Paris" in proc.stdout
+        assert "tau" in proc.stderr and "server calls" in proc.stderr
+
+        prompts = tmp_path / "in.jsonl"
+        rows = [{"id": "a", "prompt": "Say hello."},
+                {"id": "b", "messages": [{"role": "user", "content": "Count to three."}]},
+                {"id": "c", "input_ids": [1, 4093, 198]},
+                {"id": "d", "input_ids": [-5]}]
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        out = tmp_path / "out.jsonl"
+        proc = subprocess.run(EDGE + ["run", "--server", address, "--prompts", str(prompts),
+                                      "--out", str(out), "--max-new-tokens", "8"],
+                              capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stderr  # one line was refused
+    records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    for key in "abc":
+        for field in ("output_ids", "text", "rounds", "drafted_tokens", "accepted_tokens", "tau",
+                      "wall_s", "ttft_s", "bytes_up", "bytes_down"):
+            assert field in records[key], (key, field)
+        assert 1 <= len(records[key]["output_ids"]) <= 8
+    assert "outside" in records["d"]["error"]

@@ -1,0 +1,125 @@
+"""Bad input gets a gRPC status with a clear message, and the server keeps serving."""
+from __future__ import annotations
+
+import queue
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
+
+PROMPT = [5, 6, 7]
+BASE = len(PROMPT) + 1  # the prefill commits one token
+
+
+def open_msg(ids=PROMPT, **kw) -> pb.ClientMessage:
+    return pb.ClientMessage(open=pb.Open(input_ids=pb.TokenIds(ids=ids), **kw))
+
+
+def draft_msg(round_id=1, base=BASE, tokens=(10,), parents=(-1,)) -> pb.ClientMessage:
+    return pb.ClientMessage(draft=pb.Draft(round_id=round_id, base_length=base,
+                                           tokens=tokens, parents=parents))
+
+
+CLOSE = pb.ClientMessage(close=pb.Close())
+
+
+def run_stream(address: str, messages: list[pb.ClientMessage]):
+    """Sends the messages, returns (responses, the RpcError or None)."""
+    with grpc.insecure_channel(address) as channel:
+        call = pb_grpc.SplitDecodingStub(channel).Decode(iter(messages), timeout=20)
+        responses = []
+        try:
+            for r in call:
+                responses.append(r)
+        except grpc.RpcError as err:
+            return responses, err
+        return responses, None
+
+
+def assert_refused(address: str, messages, code: grpc.StatusCode, words: str) -> None:
+    _, err = run_stream(address, messages)
+    assert err is not None, "the server accepted bad input"
+    assert err.code() == code, err.details()
+    assert words in err.details()
+
+
+BAD_INPUTS = {
+    "token over vocab": ([open_msg(), draft_msg(tokens=(100000,))], "INVALID_ARGUMENT", "outside"),
+    "negative token": ([open_msg(), draft_msg(tokens=(-5,))], "INVALID_ARGUMENT", "outside"),
+    "parent not earlier": ([open_msg(), draft_msg(tokens=(10, 11), parents=(-1, 1))],
+                           "INVALID_ARGUMENT", "earlier node"),
+    "parent far below root": ([open_msg(), draft_msg(tokens=(10,), parents=(-2,))],
+                              "INVALID_ARGUMENT", "earlier node"),
+    "parents length": ([open_msg(), draft_msg(tokens=(10, 11), parents=(-1,))],
+                       "INVALID_ARGUMENT", "parents"),
+    "empty tree": ([open_msg(), draft_msg(tokens=(), parents=())], "INVALID_ARGUMENT", "empty"),
+    "oversize tree": ([open_msg(), draft_msg(tokens=tuple(range(10, 27)),
+                                             parents=(-1,) * 17)], "INVALID_ARGUMENT", "limit"),
+    "too deep": ([open_msg(), draft_msg(tokens=tuple(range(10, 19)),
+                                        parents=tuple(range(-1, 8)))], "INVALID_ARGUMENT", "deep"),
+    "duplicate sibling": ([open_msg(), draft_msg(tokens=(10, 10), parents=(-1, -1))],
+                          "INVALID_ARGUMENT", "repeats"),
+    "draft before open": ([draft_msg()], "FAILED_PRECONDITION", "no open session"),
+    "draft after close": ([open_msg(), CLOSE, draft_msg()], "FAILED_PRECONDITION", "closed"),
+    "round out of order": ([open_msg(), draft_msg(round_id=2)], "FAILED_PRECONDITION", "order"),
+    "stale base length": ([open_msg(), draft_msg(base=BASE - 1)], "FAILED_PRECONDITION",
+                          "committed"),
+    "second open": ([open_msg(), open_msg()], "FAILED_PRECONDITION", "already open"),
+    "prompt over limit": ([open_msg(ids=[5] * 65)], "INVALID_ARGUMENT", "limit is 64"),
+    "empty prompt": ([open_msg(ids=[])], "INVALID_ARGUMENT", "empty"),
+    "prompt token out of range": ([open_msg(ids=[5, 4000])], "INVALID_ARGUMENT", "outside"),
+    "no prompt": ([pb.ClientMessage(open=pb.Open())], "INVALID_ARGUMENT", "no prompt"),
+    "max_new_tokens over limit": ([open_msg(max_new_tokens=65)], "INVALID_ARGUMENT",
+                                  "max_new_tokens"),
+    "empty client message": ([pb.ClientMessage()], "INVALID_ARGUMENT", "no open"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_is_refused_and_server_keeps_serving(tiny_server, case):
+    messages, code, words = BAD_INPUTS[case]
+    assert_refused(tiny_server.address, messages, getattr(grpc.StatusCode, code), words)
+    responses, err = run_stream(tiny_server.address, [open_msg(), draft_msg(), CLOSE])
+    assert err is None
+    assert [r.WhichOneof("kind") for r in responses] == ["opened", "verdict", "verdict", "done"]
+    assert tiny_server.service.sessions == {}
+
+
+def test_session_limit_answers_resource_exhausted(tiny_server):
+    limit = tiny_server.service.limits.max_sessions
+    with grpc.insecure_channel(tiny_server.address) as channel:
+        stub = pb_grpc.SplitDecodingStub(channel)
+        feeds, calls = [], []
+        for _ in range(limit):
+            feed: queue.Queue = queue.Queue()
+            feed.put(open_msg())
+            call = stub.Decode(iter(feed.get, None), timeout=20)
+            assert next(call).WhichOneof("kind") == "opened"
+            feeds.append(feed)
+            calls.append(call)
+        assert_refused(tiny_server.address, [open_msg()], grpc.StatusCode.RESOURCE_EXHAUSTED,
+                       "limit")
+        for feed, call in zip(feeds, calls):
+            feed.put(CLOSE)
+            feed.put(None)
+            list(call)
+    assert tiny_server.service.sessions == {}
+
+
+def test_unknown_artifact_is_not_found(tiny_server):
+    with grpc.insecure_channel(tiny_server.address) as channel:
+        stub = pb_grpc.SplitDecodingStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.FetchArtifact(pb.FetchArtifactRequest(name="nope"), timeout=10))
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_service_reports_serving(tiny_server):
+    with grpc.insecure_channel(tiny_server.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "splitdec.v1.SplitDecoding"):
+            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING

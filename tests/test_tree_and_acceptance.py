@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared.acceptance import accept_greedy
+from shared.errors import InvalidRequest
+from shared.tree import DraftTree
+
+#        root
+#      /      \
+#    0:a      1:b
+#   /   \       \
+# 2:c   3:d     4:e
+#  |
+# 5:f
+TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15), parents=(-1, -1, 0, 0, 1, 2))
+
+
+def test_depths_and_ancestor_mask():
+    assert TREE.depths().tolist() == [0, 0, 1, 1, 1, 2]
+    mask = TREE.ancestor_mask()
+    assert mask[5].nonzero()[0].tolist() == [0, 2, 5]
+    assert mask[4].nonzero()[0].tolist() == [1, 4]
+    assert np.array_equal(mask, mask & np.tri(6, dtype=bool))  # topological order
+
+
+def test_path_tokens_and_chain():
+    assert TREE.path_tokens(5) == [10, 12, 15]
+    chain = DraftTree.chain([7, 8, 9])
+    assert chain.parents == (-1, 0, 1) and chain.path_tokens(2) == [7, 8, 9]
+
+
+def argmax_after(choices: dict[int, int], default: int = 99) -> np.ndarray:
+    """target_argmax: [1 + n] from {node (-1 = root): token}."""
+    return np.array([choices.get(i, default) for i in range(-1, len(TREE))])
+
+
+@pytest.mark.parametrize("choices, nodes, tokens", [
+    ({-1: 10, 0: 12, 2: 15, 5: 7}, (0, 2, 5), (10, 12, 15, 7)),  # deepest path + bonus
+    ({-1: 11, 1: 14, 4: 3}, (1, 4), (11, 14, 3)),  # second root branch
+    ({-1: 10, 0: 13, 3: 4}, (0, 3), (10, 13, 4)),  # second sibling
+    ({-1: 42}, (), (42,)),  # nothing accepted: the target's own token only
+])
+def test_greedy_acceptance_follows_target_argmax(choices, nodes, tokens):
+    acceptance = accept_greedy(TREE, argmax_after(choices))
+    assert acceptance.accepted_nodes == nodes
+    assert acceptance.tokens == tokens
+
+
+def test_validate_accepts_good_tree():
+    TREE.validate(vocab_size=100, max_nodes=6, max_depth=3)
+
+
+@pytest.mark.parametrize("tree, words", [
+    (DraftTree((), ()), "empty"),
+    (DraftTree((1, 2), (-1, 1)), "earlier"),
+    (DraftTree((1, 200), (-1, 0)), "outside"),
+    (DraftTree((1, 1), (-1, -1)), "repeats"),
+])
+def test_validate_rejects_bad_trees(tree, words):
+    with pytest.raises(InvalidRequest, match=words):
+        tree.validate(vocab_size=100, max_nodes=6, max_depth=3)
+
+
+def test_validate_limits():
+    with pytest.raises(InvalidRequest, match="limit is 5"):
+        TREE.validate(vocab_size=100, max_nodes=5, max_depth=3)
+    with pytest.raises(InvalidRequest, match="deep"):
+        TREE.validate(vocab_size=100, max_nodes=6, max_depth=2)
