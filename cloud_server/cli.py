@@ -16,6 +16,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, embedded), a hub id or a local path")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--cpu-linear", choices=("onednn", "stock"), default="onednn",
+                   help="CPU linear kernels: oneDNN (about 2x faster here) or PyTorch's default")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
     p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
@@ -35,13 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         from cloud_server import model_store
+        from cloud_server.model_thread import ModelThread
         from cloud_server.server import build_service, serve
         from cloud_server.target import TargetModel
 
         path, model_id = model_store.resolve(args.model)
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)
-        target = TargetModel.load(path, model_id, args.device)
-        service = build_service(target, limits_from(args))
+        model_thread = ModelThread()
+        target = model_thread.call(TargetModel.load, path, model_id, args.device,
+                                   onednn=args.cpu_linear == "onednn")
+        service = build_service(target, limits_from(args), model_thread)
         print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
         asyncio.run(serve(service, args.host, args.port))
     except (OSError, RuntimeError, ValueError) as err:

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_server.artifacts import TOKENIZER_NAME, ArtifactStore
+from cloud_server.model_thread import ModelThread
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared.messages import ArtifactKind, Limits
@@ -30,10 +31,12 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
     ]
 
 
-def build_service(target: TargetModel, limits: Limits) -> SplitDecodingService:
+def build_service(target: TargetModel, limits: Limits,
+                  model_thread: ModelThread | None = None) -> SplitDecodingService:
+    """`model_thread` should be the thread that loaded `target` (see model_thread.py)."""
     artifacts = ArtifactStore()
     artifacts.add(TOKENIZER_NAME, ArtifactKind.TOKENIZER, target.tokenizer_json())
-    return SplitDecodingService(target, limits, artifacts)
+    return SplitDecodingService(target, limits, artifacts, model_thread or ModelThread())
 
 
 async def start(service: SplitDecodingService, host: str, port: int

@@ -1,7 +1,7 @@
 """The gRPC boundary: protobuf in, domain calls on the model thread, protobuf out.
 
-Model work never runs on the event loop: one worker thread owns the model, so forward passes
-of different sessions queue there and each session keeps its own KV cache. Domain errors become
+Model work never runs on the event loop: it runs on the model thread (model_thread.py), so
+forward passes of different sessions queue there and each session keeps its own KV cache. Domain errors become
 gRPC status codes here and nowhere else.
 """
 from __future__ import annotations
@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
 
 from cloud_server.artifacts import ArtifactStore
+from cloud_server.model_thread import ModelThread
 from cloud_server.session import Session
 from cloud_server.target import TargetModel
 from shared import wire
@@ -47,12 +47,13 @@ def _grpc_status(handler):
 
 
 class SplitDecodingService(pb_grpc.SplitDecodingServicer):
-    def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore):
+    def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore,
+                 model_thread: ModelThread):
         self.target = target
         self.limits = limits
         self.artifacts = artifacts
         self.sessions: dict[str, Session] = {}
-        self._model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self._model_thread = model_thread
 
     def info(self) -> ServerInfo:
         return ServerInfo(
@@ -134,7 +135,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         return None if raw is grpc.aio.EOF else wire.client_from_proto(raw)
 
     async def _on_model(self, fn: Callable[..., T], *args) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._model_thread, fn, *args)
+        return await self._model_thread.run(fn, *args)
 
     def shutdown(self) -> None:
-        self._model_thread.shutdown(wait=True, cancel_futures=True)
+        self._model_thread.shutdown()

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from cloud_server.cpu_kernels import use_onednn_linear
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
 from shared.tree import DraftTree
@@ -35,11 +36,15 @@ class TargetModel:
     device: torch.device
 
     @classmethod
-    def load(cls, path: str, model_id: str, device: str = "auto") -> "TargetModel":
+    def load(cls, path: str, model_id: str, device: str = "auto",
+             onednn: bool = True) -> "TargetModel":
+        """`onednn`: on the CPU, run linear layers through oneDNN (cpu_kernels.py)."""
         dev = pick_device(device)
         # fp32 on the CPU (bf16 matmuls are slow there); bf16 on a GPU.
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+        if onednn and dev.type == "cpu":
+            use_onednn_linear(model)
         tokenizer = AutoTokenizer.from_pretrained(path)
         return cls(model, tokenizer, model_id, dev)
 

@@ -64,6 +64,7 @@ def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str
         "tokens_per_s": round(result.tokens_per_s, 3),
         "wall_s": round(result.wall_s, 4),
         "ttft_s": round(result.ttft_s, 4),
+        "verify_s": round(result.verify_s, 4),
         "bytes_up": result.bytes_up,
         "bytes_down": result.bytes_down,
     }

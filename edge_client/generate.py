@@ -28,6 +28,7 @@ class GenerationResult:
     ttft_s: float = 0.0
     bytes_up: int = 0
     bytes_down: int = 0
+    verify_s: float = 0.0  # the server's own time verifying, as its Verdicts report
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
 
     @property
@@ -98,5 +99,6 @@ def _commit(result: GenerationResult, context: list[int], verdict: Verdict,
                         f"the edge {len(context) + len(verdict.tokens)}")
     context.extend(verdict.tokens)
     result.output_ids.extend(verdict.tokens)
+    result.verify_s += verdict.verify_ms / 1000
     if on_tokens is not None:
         on_tokens(list(verdict.tokens))

@@ -1,0 +1,48 @@
+"""What every benchmark shares: the machine description, a running cloud-server, table output."""
+from __future__ import annotations
+
+import contextlib
+import platform
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> str:
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    import os
+
+    import torch
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+
+
+@contextlib.contextmanager
+def cloud_server(*args: str) -> Iterator[str]:
+    """A `cloud-server --port 0` process for the duration; yields HOST:PORT."""
+    proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", "0", *args],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        if not line.startswith("listening on "):
+            raise RuntimeError(f"cloud-server did not start: {line!r}")
+        yield line.removeprefix("listening on ")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,197 @@
+"""Split decoding with the training-free drafters against the baselines a user would pick.
+
+In one run on one machine: plain transformers `generate` (greedy), transformers prompt-lookup
+decoding, and split decoding over loopback (a cloud-server process, the edge client here) for
+each drafter, on MT-Bench, HumanEval and GSM8K prompts. Prints a table of tokens/s, the speedup
+over plain `generate`, tau and server calls per token; writes the table, raw records and a PNG.
+Every split output is checked against plain greedy output (lossless, DESIGN section 4).
+
+    python benchmarks/training_free.py --per-set 4 --max-new-tokens 128
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import defaultdict
+
+from benchmarks import prompts
+from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from cloud_server import model_store
+from cloud_server.cpu_kernels import use_onednn_linear
+from cloud_server.reference import compare, plain_greedy
+from cloud_server.target import TargetModel
+from edge_client.client import ClientOptions, EdgeClient
+from shared.messages import ChatMessage, OpenRequest
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-set", type=int, default=4, help="prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--drafters", default="pld,aded")
+    p.add_argument("--tree-nodes", default="32", help="comma-separated tree budgets to sweep")
+    p.add_argument("--name", default="training_free", help="output file stem")
+    return p.parse_args()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run_local(target: TargetModel, items: list[dict], max_new: int, method: str) -> list[dict]:
+    """Plain greedy `generate`, or transformers prompt lookup, in this process."""
+    records = []
+    for item in items:
+        start = time.perf_counter()
+        if method.startswith("plain"):
+            out = plain_greedy(target, item["prompt_ids"], max_new)
+        else:
+            out = prompt_lookup_generate(target, item["prompt_ids"], max_new)
+        records.append({"id": item["id"], "set": item["set"], "method": method,
+                        "output_ids": out, "wall_s": time.perf_counter() - start,
+                        "rounds": len(out), "server_calls": 0})
+        log(f"  {method:>14} {item['id']:<22} {len(out) / records[-1]['wall_s']:6.1f} tok/s")
+    return records
+
+
+def prompt_lookup_generate(target: TargetModel, prompt_ids: list[int], max_new: int) -> list[int]:
+    import torch
+
+    ids = torch.tensor([prompt_ids])
+    stops = list(target.stop_token_ids())
+    with torch.inference_mode():
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                    max_new_tokens=max_new, eos_token_id=stops,
+                                    pad_token_id=stops[0], prompt_lookup_num_tokens=10,
+                                    top_p=None, top_k=None, temperature=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+async def run_split(address: str, items: list[dict], max_new: int, drafter: str,
+                    nodes: int) -> list[dict]:
+    method = f"split-{drafter}-{nodes}"
+    records = []
+    async with EdgeClient(address, ClientOptions(drafter, nodes, max_new)) as client:
+        for item in items:
+            r = await client.generate(OpenRequest(prompt_ids=tuple(item["prompt_ids"]),
+                                                  max_new_tokens=max_new))
+            records.append({"id": item["id"], "set": item["set"], "method": method,
+                            "output_ids": r.output_ids, "wall_s": r.wall_s, "rounds": r.rounds,
+                            "tau": r.tau, "server_calls": r.server_calls,
+                            "bytes": r.bytes_up + r.bytes_down})
+            log(f"  {method:>14} {item['id']:<22} {r.tokens_per_s:6.1f} tok/s  tau {r.tau:.2f}")
+    return records
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    """One row per (method, set) plus an 'all' row per method."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        groups[(r["method"], r["set"])].append(r)
+        groups[(r["method"], "all")].append(r)
+    plain_speed = {s: _speed(g) for (m, s), g in groups.items() if m == "plain"}
+    onednn_speed = {s: _speed(g) for (m, s), g in groups.items() if m == "plain-onednn"}
+    rows = []
+    for (method, name), group in groups.items():
+        tokens = sum(len(r["output_ids"]) for r in group)
+        split = method.startswith("split")
+        rows.append({
+            "method": method, "set": name, "tokens_per_s": _speed(group),
+            "speedup": _speed(group) / plain_speed[name],
+            "speedup_same_kernels": _speed(group) / onednn_speed[name],
+            "tau": (tokens - len(group)) / sum(r["rounds"] for r in group) if split else None,
+            "calls_per_token": sum(r["server_calls"] for r in group) / tokens if split else None,
+            "bytes_per_token": sum(r["bytes"] for r in group) / tokens if split else None,
+        })
+    return rows
+
+
+def _speed(group: list[dict]) -> float:
+    return sum(len(r["output_ids"]) for r in group) / sum(r["wall_s"] for r in group)
+
+
+def check_lossless(target: TargetModel, items: list[dict], records: list[dict]) -> list[str]:
+    """Split outputs that differ from plain greedy output beyond the near-tie rule."""
+    plain = {r["id"]: r["output_ids"] for r in records if r["method"] == "plain-onednn"}
+    by_id = {item["id"]: item for item in items}
+    failures = []
+    for r in records:
+        if r["method"].startswith("split"):
+            verdict = compare(target, by_id[r["id"]]["prompt_ids"], r["output_ids"], plain[r["id"]])
+            if not verdict.lossless:
+                failures.append(f"{r['method']} {r['id']}: diverges at {verdict.divergence} "
+                                f"(top-2 gap {verdict.top2_gap:.2e})")
+    return failures
+
+
+def render(rows: list[dict]) -> str:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    body = [(r["method"], r["set"], fmt(r["tokens_per_s"], ".1f"), fmt(r["speedup"], ".2f") + "x",
+             fmt(r["speedup_same_kernels"], ".2f") + "x",
+             fmt(r["tau"], ".2f"), fmt(r["calls_per_token"], ".3f"),
+             fmt(r["bytes_per_token"], ".0f"))
+            for r in sorted(rows, key=lambda r: (r["set"] != "all", r["set"], r["method"]))]
+    return markdown_table(("method", "set", "tokens/s", "vs plain", "vs plain-onednn", "tau",
+                           "server calls/token",
+                           "bytes/token"), body)
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = sorted({r["method"] for r in rows})
+    sets = [*prompts.SETS, "all"]
+    speed = {(r["method"], r["set"]): r["speedup"] for r in rows}
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        xs = [j + i * width for j in range(len(sets))]
+        ax.bar(xs, [speed.get((method, s), 0) for s in sets], width, label=method)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sets))], sets)
+    ax.set_ylabel("tokens/s relative to plain generate")
+    ax.set_title("Greedy decoding, SmolLM2-135M-Instruct on this CPU")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    target = TargetModel.load(*model_store.resolve("default"), device="cpu", onednn=False)
+    items = [dict(row, prompt_ids=target.apply_chat_template((ChatMessage("user", row["prompt"]),)))
+             for name in prompts.SETS for row in prompts.load(name, args.per_set)]
+    log(f"{len(items)} prompts, {args.max_new_tokens} new tokens each; {machine()}")
+    records = run_local(target, items, args.max_new_tokens, "plain")
+    records += run_local(target, items, args.max_new_tokens, "prompt-lookup")
+    use_onednn_linear(target.model)  # the kernels the server runs by default
+    records += run_local(target, items, args.max_new_tokens, "plain-onednn")
+    records += run_local(target, items, args.max_new_tokens, "prompt-lookup-onednn")
+    with cloud_server("--device", "cpu") as address:
+        for drafter in args.drafters.split(","):
+            for nodes in map(int, args.tree_nodes.split(",")):
+                records += asyncio.run(run_split(address, items, args.max_new_tokens, drafter,
+                                                 nodes))
+    failures = check_lossless(target, items, records)
+    rows = summarize(records)
+    table = render(rows)
+    header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} new "
+              f"tokens max; {machine()}\n\n")
+    lossless = f"\nlossless: {'all outputs equal plain greedy' if not failures else failures}\n"
+    print(header + table + lossless)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.md").write_text(header + table + "\n" + lossless)
+    (RESULTS / f"{args.name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    plot(rows, RESULTS / f"{args.name}.png")
+    if failures:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
