@@ -33,7 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--per-set", type=int, default=4, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="pld,aded")
-    p.add_argument("--tree-nodes", default="32", help="comma-separated tree budgets to sweep")
+    p.add_argument("--tree-nodes", default="auto",
+                   help="comma-separated tree budgets to sweep: numbers or 'auto'")
     p.add_argument("--name", default="training_free", help="output file stem")
     return p.parse_args()
 
@@ -72,10 +73,12 @@ def prompt_lookup_generate(target: TargetModel, prompt_ids: list[int], max_new: 
 
 
 async def run_split(address: str, items: list[dict], max_new: int, drafter: str,
-                    nodes: int) -> list[dict]:
+                    nodes: str) -> list[dict]:
+    """`nodes`: a fixed tree budget, or 'auto' (sized from measured costs each round)."""
     method = f"split-{drafter}-{nodes}"
     records = []
-    async with EdgeClient(address, ClientOptions(drafter, nodes, max_new)) as client:
+    fixed = None if nodes == "auto" else int(nodes)
+    async with EdgeClient(address, ClientOptions(drafter, fixed, max_new)) as client:
         for item in items:
             r = await client.generate(OpenRequest(prompt_ids=tuple(item["prompt_ids"]),
                                                   max_new_tokens=max_new))
@@ -175,7 +178,7 @@ def main() -> None:
     records += run_local(target, items, args.max_new_tokens, "prompt-lookup-onednn")
     with cloud_server("--device", "cpu") as address:
         for drafter in args.drafters.split(","):
-            for nodes in map(int, args.tree_nodes.split(",")):
+            for nodes in args.tree_nodes.split(","):
                 records += asyncio.run(run_split(address, items, args.max_new_tokens, drafter,
                                                  nodes))
     failures = check_lossless(target, items, records)

@@ -1,67 +1,61 @@
 """The server's cost model: one verification forward over a tree of n nodes vs one plain decode
-step, after the same prefix (DESIGN section 7). Tree size pays only while
-tau grows faster than T_verify(n).
+step after the same prefix (DESIGN section 7), with PyTorch's default CPU linear and with
+oneDNN's. A node pays for itself only while it raises tau faster than it raises T_verify(n).
 
-    python benchmarks/verify_cost.py --prefix 200
+    python benchmarks/verify_cost.py
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
-from transformers import DynamicCache
 
 from benchmarks.common import RESULTS, machine, markdown_table
 from cloud_server import model_store
-from cloud_server.target import TargetModel, keep_path
-from shared.tree import DraftTree
+from cloud_server.calibrate import PREFIX_TOKENS, measure_verify_costs
+from cloud_server.model_thread import ModelThread
+from cloud_server.target import TargetModel
 
-SIZES = (1, 2, 4, 8, 16, 32, 64)
 
+def plain_step_ms(target: TargetModel, repeat: int) -> float:
+    """A decode step as plain greedy decoding runs it: one token, no mask."""
+    import statistics
+    import time
 
-def time_ms(fn, repeat: int) -> float:
-    fn()
+    cache, _ = target.prefill(list(range(100, 100 + PREFIX_TOKENS)))
     samples = []
-    for _ in range(repeat):
+    for _ in range(repeat + 1):
         start = time.perf_counter()
-        fn()
+        with torch.inference_mode():
+            target.model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True)
+        cache.crop(-1)
         samples.append(1000 * (time.perf_counter() - start))
-    return statistics.median(samples)
+    return statistics.median(samples[1:])
 
 
-def plain_step(target: TargetModel, cache: DynamicCache, base: int) -> None:
-    with torch.inference_mode():
-        target.model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True)
-    cache.crop(-1)
-
-
-def tree_step(target: TargetModel, cache: DynamicCache, base: int, tree: DraftTree) -> None:
-    target.forward_tree(cache, 42, tree)
-    keep_path(cache, base, ())
-
-
-def bushy_tree(n: int) -> DraftTree:
-    """A tree shaped like a drafter's: 4 children per node, breadth first."""
-    return DraftTree(tuple(100 + i for i in range(n)), tuple((i - 1) // 4 if i else -1
-                                                             for i in range(n)))
+def measure(onednn: bool, max_nodes: int, repeat: int) -> tuple[float, tuple]:
+    thread = ModelThread()  # load and run on one thread, as the server does
+    target = thread.call(TargetModel.load, *model_store.resolve("default"), "cpu", onednn=onednn)
+    plain = thread.call(plain_step_ms, target, repeat)
+    costs = thread.call(measure_verify_costs, target, max_nodes, repeat)
+    thread.shutdown()
+    return plain, costs
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--prefix", type=int, default=200)
-    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--max-nodes", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=9)
     args = p.parse_args()
-    target = TargetModel.load(*model_store.resolve("default"), device="cpu")
-    cache, _ = target.prefill(list(range(1000, 1000 + args.prefix)))
-    plain = time_ms(lambda: plain_step(target, cache, args.prefix), args.repeat)
-    rows = [("plain decode step", f"{plain:.1f}", "1.00")]
-    for n in SIZES:
-        ms = time_ms(lambda: tree_step(target, cache, args.prefix, bushy_tree(n)), args.repeat)
-        rows.append((f"tree of {n}", f"{ms:.1f}", f"{ms / plain:.2f}"))
-    table = markdown_table(("forward", "median ms", "vs plain step"), rows)
-    text = f"prefix {args.prefix} tokens; {machine()}\n\n{table}\n"
+    results = {name: measure(name == "onednn", args.max_nodes, args.repeat)
+               for name in ("stock", "onednn")}
+    rows = [("plain decode step", *(f"{results[k][0]:.1f} ms (1.00)" for k in results))]
+    for i, (n, _) in enumerate(results["stock"][1]):
+        rows.append((f"tree of {n}", *(f"{results[k][1][i][1]:.1f} ms "
+                                       f"({results[k][1][i][1] / results[k][0]:.2f})"
+                                       for k in results)))
+    table = markdown_table(("forward (x plain step)", "stock linear", "oneDNN linear"), rows)
+    text = f"prefix {PREFIX_TOKENS} tokens, SmolLM2-135M-Instruct fp32; {machine()}\n\n{table}\n"
     print(text)
     (RESULTS / "verify_cost.md").write_text(text)
 

@@ -9,6 +9,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_server.artifacts import TOKENIZER_NAME, ArtifactStore
+from cloud_server.calibrate import measure_verify_costs
 from cloud_server.model_thread import ModelThread
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
@@ -33,10 +34,15 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
 
 def build_service(target: TargetModel, limits: Limits,
                   model_thread: ModelThread | None = None) -> SplitDecodingService:
-    """`model_thread` should be the thread that loaded `target` (see model_thread.py)."""
+    """Measures the verify costs Info reports, then builds the service. `model_thread` should
+    be the thread that loaded `target` (see model_thread.py)."""
+    model_thread = model_thread or ModelThread()
+    costs = model_thread.call(measure_verify_costs, target, limits.max_tree_nodes)
+    print("verify cost: " + ", ".join(f"{n} nodes {ms:.0f} ms" for n, ms in costs),
+          file=sys.stderr, flush=True)
     artifacts = ArtifactStore()
     artifacts.add(TOKENIZER_NAME, ArtifactKind.TOKENIZER, target.tokenizer_json())
-    return SplitDecodingService(target, limits, artifacts, model_thread or ModelThread())
+    return SplitDecodingService(target, limits, artifacts, model_thread, costs)
 
 
 async def start(service: SplitDecodingService, host: str, port: int

@@ -48,8 +48,9 @@ def _grpc_status(handler):
 
 class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore,
-                 model_thread: ModelThread):
+                 model_thread: ModelThread, verify_costs: tuple[tuple[int, float], ...] = ()):
         self.target = target
+        self.verify_costs = verify_costs
         self.limits = limits
         self.artifacts = artifacts
         self.sessions: dict[str, Session] = {}
@@ -60,7 +61,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             protocol_version=PROTOCOL_VERSION, model_id=self.target.model_id,
             tokenizer_sha256=self.artifacts.tokenizer().sha256,
             vocab_size=self.target.vocab_size, stop_token_ids=self.target.stop_token_ids(),
-            limits=self.limits, artifacts=self.artifacts.listing())
+            limits=self.limits, artifacts=self.artifacts.listing(),
+            verify_costs=self.verify_costs)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return wire.info_to_proto(self.info())

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from edge_client.batch import BadInput, run_batch
-from edge_client.client import DEFAULT_DRAFTER, DEFAULT_TREE_NODES, ClientOptions, EdgeClient
+from edge_client.client import DEFAULT_DRAFTER, ClientOptions, EdgeClient
 from edge_client.drafters import DRAFTERS
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
@@ -24,8 +24,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
     p.add_argument("--drafter", choices=sorted(DRAFTERS), default=DEFAULT_DRAFTER)
     p.add_argument("--max-new-tokens", type=positive, default=256)
-    p.add_argument("--tree-nodes", type=positive, default=DEFAULT_TREE_NODES,
-                   help="draft tree budget per round (capped by the server's limit)")
+    p.add_argument("--tree-nodes", type=tree_nodes, default=None,
+                   help="draft nodes per round, or 'auto' (default): sized each round from the "
+                        "server's measured verify cost and the drafter's measured acceptance")
 
 
 def positive(text: str) -> int:
@@ -33,6 +34,10 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def tree_nodes(text: str) -> int | None:
+    return None if text == "auto" else positive(text)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -6,6 +6,7 @@ from typing import Callable
 
 from tokenizers import Tokenizer
 
+from edge_client.budget import TreeBudget
 from edge_client.drafters import make_drafter
 from edge_client.generate import GenerationResult, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
@@ -13,13 +14,12 @@ from edge_client.tokenizer import TextStream, load_tokenizer
 from shared.messages import PROTOCOL_VERSION, OpenRequest, ServerInfo
 
 DEFAULT_DRAFTER = "pld"
-DEFAULT_TREE_NODES = 32
 
 
 @dataclass(frozen=True)
 class ClientOptions:
     drafter: str = DEFAULT_DRAFTER
-    tree_nodes: int = DEFAULT_TREE_NODES
+    tree_nodes: int | None = None  # None: sized each round from measured costs (budget.py)
     max_new_tokens: int = 256
 
 
@@ -41,9 +41,9 @@ class EdgeClient:
     async def __aexit__(self, *exc) -> None:
         await self.link.__aexit__(*exc)
 
-    @property
-    def max_nodes(self) -> int:
-        return min(self.options.tree_nodes, self.info.limits.max_tree_nodes)
+    def budget(self) -> TreeBudget:
+        return TreeBudget(self.info.verify_costs, self.info.limits.max_tree_nodes,
+                          fixed=self.options.tree_nodes)
 
     async def generate(self, request: OpenRequest,
                        on_text: Callable[[str], None] | None = None) -> GenerationResult:
@@ -55,7 +55,7 @@ class EdgeClient:
                 on_text(piece)
 
         drafter = make_drafter(self.options.drafter, depth_limit=self.info.limits.max_tree_depth)
-        return await split_generate(self.link, drafter, request, self.max_nodes, on_tokens)
+        return await split_generate(self.link, drafter, request, self.budget(), on_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from edge_client.budget import TreeBudget
 from edge_client.drafters.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink
 from shared.messages import Done, DraftRequest, FinishReason, OpenRequest, Opened, Verdict
@@ -59,7 +60,8 @@ async def _expect(stream: DecodeStream, kind: type):
 
 
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
-                         max_nodes: int, on_tokens: OnTokens | None = None) -> GenerationResult:
+                         budget: TreeBudget, on_tokens: OnTokens | None = None
+                         ) -> GenerationResult:
     """Runs one generation to its end; `on_tokens` sees each batch of committed ids."""
     start = time.perf_counter()
     stream = link.decode()
@@ -73,9 +75,12 @@ async def split_generate(link: ServerLink, drafter: Drafter, request: OpenReques
         result.ttft_s = time.perf_counter() - start
         _commit(result, context, verdict, on_tokens)
         while verdict.finish_reason is FinishReason.NOT_FINISHED:
-            tree = drafter.propose(context, max_nodes) or fallback_tree(context)
+            tree = drafter.propose(context, budget.nodes()) or fallback_tree(context)
+            sent = time.perf_counter()
             await stream.send(DraftRequest(result.rounds + 1, len(context), tree))
             verdict = await _expect(stream, Verdict)
+            budget.observe(len(tree), verdict.accepted_nodes,
+                           1000 * (time.perf_counter() - sent), verdict.verify_ms)
             drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
             result.rounds += 1
             result.drafted_tokens += len(tree)

@@ -51,6 +51,7 @@ class ServerInfo:
     stop_token_ids: tuple[int, ...]
     limits: Limits
     artifacts: tuple[ArtifactInfo, ...]
+    verify_costs: tuple[tuple[int, float], ...] = ()  # (tree nodes, ms), nodes ascending
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
             pb.Artifact(name=a.name, kind=a.kind.value, sha256=a.sha256, size_bytes=a.size_bytes)
             for a in info.artifacts
         ],
+        verify_costs=[pb.VerifyCost(nodes=n, ms=ms) for n, ms in info.verify_costs],
     )
 
 
@@ -39,6 +40,7 @@ def info_from_proto(msg: pb.InfoResponse) -> ServerInfo:
             ArtifactInfo(a.name, ArtifactKind(a.kind), a.sha256, a.size_bytes)
             for a in msg.artifacts
         ),
+        verify_costs=tuple((c.nodes, c.ms) for c in msg.verify_costs),
     )
 
 

@@ -18,7 +18,7 @@ PROMPTS = [
 MAX_NEW = 40
 
 
-def split_outputs(address: str, drafter: str, tree_nodes: int):
+def split_outputs(address: str, drafter: str, tree_nodes: int | None):
     async def go():
         options = ClientOptions(drafter, tree_nodes, MAX_NEW)
         async with EdgeClient(address, options) as client:
@@ -29,7 +29,7 @@ def split_outputs(address: str, drafter: str, tree_nodes: int):
 
 
 @pytest.mark.parametrize("drafter", ["pld", "aded"])
-@pytest.mark.parametrize("tree_nodes", [1, 16])
+@pytest.mark.parametrize("tree_nodes", [1, 16, None])
 def test_split_greedy_equals_plain(tiny_server, tiny_target, drafter, tree_nodes):
     results = split_outputs(tiny_server.address, drafter, tree_nodes)
     for prompt, result in zip(PROMPTS, results):

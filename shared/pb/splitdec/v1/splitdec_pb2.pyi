@@ -59,8 +59,16 @@ class Artifact(_message.Message):
     size_bytes: int
     def __init__(self, name: _Optional[str] = ..., kind: _Optional[_Union[ArtifactKind, str]] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
+class VerifyCost(_message.Message):
+    __slots__ = ("nodes", "ms")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    nodes: int
+    ms: float
+    def __init__(self, nodes: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
+
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "tokenizer_sha256", "vocab_size", "stop_token_ids", "limits", "artifacts")
+    __slots__ = ("protocol_version", "model_id", "tokenizer_sha256", "vocab_size", "stop_token_ids", "limits", "artifacts", "verify_costs")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +76,7 @@ class InfoResponse(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     tokenizer_sha256: str
@@ -75,7 +84,8 @@ class InfoResponse(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     limits: Limits
     artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ...) -> None: ...
+    verify_costs: _containers.RepeatedCompositeFieldContainer[VerifyCost]
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ...) -> None: ...
 
 class FetchArtifactRequest(_message.Message):
     __slots__ = ("name",)

@@ -1,0 +1,54 @@
+"""Measures what verifying a tree costs this server, so clients can size their trees.
+
+Run once at startup on the model thread. The right tree for a fast link on a CPU server is small
+(each node adds compute), the right tree for a slow link or a GPU is large (the round trip or
+the kernel launch dominates); Sequoia (Chen et al. 2024, section 4) picks the tree from measured
+costs the same way. DESIGN section 3.4.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from cloud_server.target import TargetModel, keep_path
+from shared.tree import DraftTree
+
+PREFIX_TOKENS = 128
+BRANCHING = 4
+
+
+def bushy_tree(n: int) -> DraftTree:
+    """A tree shaped like a drafter's: up to BRANCHING children per node, breadth first."""
+    return DraftTree(tuple(range(n)), tuple((i - 1) // BRANCHING if i else -1 for i in range(n)))
+
+
+def tree_sizes(max_nodes: int) -> list[int]:
+    """1, 2, 4, ... up to max_nodes, and max_nodes itself."""
+    sizes = [1 << k for k in range(max_nodes.bit_length()) if 1 << k <= max_nodes]
+    return sizes if sizes[-1] == max_nodes else [*sizes, max_nodes]
+
+
+def measure_verify_costs(target: TargetModel, max_nodes: int, repeat: int = 3
+                         ) -> tuple[tuple[int, float], ...]:
+    """(nodes, ms) of one tree forward plus compaction after a PREFIX_TOKENS prefix: the median
+    of `repeat` runs, made non-decreasing in nodes (a smaller tree never costs more; timing
+    noise sometimes says otherwise)."""
+    vocab = target.vocab_size
+    prefix = [(7 * i + 11) % vocab for i in range(PREFIX_TOKENS)]
+    cache, _ = target.prefill(prefix)
+    sizes = tree_sizes(max_nodes)
+    trees = [DraftTree(tuple(t % vocab for t in bushy_tree(n).tokens), bushy_tree(n).parents)
+             for n in sizes]
+
+    def run(tree: DraftTree) -> float:
+        start = time.perf_counter()
+        target.forward_tree(cache, prefix[-1], tree)
+        keep_path(cache, PREFIX_TOKENS, ())
+        return 1000 * (time.perf_counter() - start)
+
+    for tree in trees:  # first calls per shape build kernels: keep them out of the figures
+        run(tree)
+    medians = [statistics.median(run(tree) for _ in range(repeat)) for tree in trees]
+    for i in range(len(medians) - 2, -1, -1):
+        medians[i] = min(medians[i], medians[i + 1])
+    return tuple(zip(sizes, medians))
