@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
@@ -27,6 +28,7 @@ from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 1024
 STATUS_OF = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
@@ -36,13 +38,19 @@ STATUS_OF = {
 
 
 def _grpc_status(handler):
-    """Maps a domain error raised by a handler to its status code, with the error's message."""
+    """Maps a domain error raised by a handler to its status code, with the error's message;
+    anything else is a bug on our side: logged, and INTERNAL for the caller."""
     @functools.wraps(handler)
     async def wrapped(self, request, context):
         try:
             return await handler(self, request, context)
         except SplitDecodingError as err:
             await context.abort(STATUS_OF[type(err)], str(err))
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the boundary: the server must keep serving
+            log.exception("internal error in %s", handler.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err}")
     return wrapped
 
 

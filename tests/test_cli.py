@@ -70,3 +70,34 @@ def test_ask_and_batch_against_real_server(tmp_path):
             assert field in records[key], (key, field)
         assert 1 <= len(records[key]["output_ids"]) <= 8
     assert "outside" in records["d"]["error"]
+
+
+def test_silent_server_hits_the_deadline_not_a_hang():
+    """A peer that accepts TCP and never answers: the client gives up at its deadline."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        proc = subprocess.run(EDGE + ["--server", f"127.0.0.1:{port}", "hello"],
+                              capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_server_refuses_a_model_it_cannot_load(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--port", "0",
+                           "--model", str(tmp_path / "missing")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith("cloud-server: error:")
+    assert proc.stdout == ""
+
+
+def test_any_local_checkpoint_serves_end_to_end(tiny_model_dir):
+    """`--model PATH` with a transformers checkpoint the project has never seen."""
+    with running_server("--model", str(tiny_model_dir)) as address:
+        proc = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "20",
+                                      "--drafter", "aded", "hello there"],
+                              capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "tau" in proc.stderr and " tokens, " in proc.stderr

@@ -123,3 +123,23 @@ def test_health_service_reports_serving(tiny_server):
         for service in ("", "splitdec.v1.SplitDecoding"):
             reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_idle_session_is_closed(tiny_target):
+    from shared.messages import Limits
+    from tests.server_harness import ServerThread
+
+    with ServerThread(tiny_target, Limits(session_idle_timeout_s=1)) as server:
+        with grpc.insecure_channel(server.address) as channel:
+            feed: queue.Queue = queue.Queue()
+            feed.put(open_msg())
+            call = pb_grpc.SplitDecodingStub(channel).Decode(iter(feed.get, None), timeout=20)
+            kinds = []
+            with pytest.raises(grpc.RpcError) as err:
+                for r in call:  # opened, verdict 0, then silence until the idle limit
+                    kinds.append(r.WhichOneof("kind"))
+            feed.put(None)
+        assert kinds == ["opened", "verdict"]
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "idle" in err.value.details()
+        assert server.service.sessions == {}

@@ -49,3 +49,16 @@ def test_stats_add_up(tiny_server):
         assert r.accepted_tokens <= r.drafted_tokens
         assert r.server_calls == r.rounds + 1
         assert 0 < r.ttft_s <= r.wall_s
+
+
+def test_concurrent_sessions_do_not_mix(tiny_server, tiny_target):
+    """Several generations at once on one server, interleaving rounds, each still exact."""
+    async def go():
+        options = ClientOptions("aded", 8, MAX_NEW)
+        async with EdgeClient(tiny_server.address, options) as client:
+            return await asyncio.gather(*(
+                client.generate(OpenRequest(prompt_ids=tuple(p), max_new_tokens=MAX_NEW))
+                for p in PROMPTS))
+    for prompt, result in zip(PROMPTS, asyncio.run(go())):
+        plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+        assert compare(tiny_target, prompt, result.output_ids, plain).lossless
