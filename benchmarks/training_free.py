@@ -20,7 +20,7 @@ from collections import defaultdict
 from benchmarks import prompts
 from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
 from cloud_server import model_store
-from cloud_server.cpu_kernels import use_onednn_linear
+from cloud_server.model_thread import ModelThread
 from cloud_server.reference import compare, plain_greedy
 from cloud_server.target import TargetModel
 from edge_client.client import ClientOptions, EdgeClient
@@ -43,23 +43,14 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def run_local(target: TargetModel, items: list[dict], max_new: int, method: str) -> list[dict]:
-    """Plain greedy `generate`, or transformers prompt lookup, in this process."""
-    records = []
-    for item in items:
-        start = time.perf_counter()
-        if method.startswith("plain"):
-            out = plain_greedy(target, item["prompt_ids"], max_new)
-        else:
-            out = prompt_lookup_generate(target, item["prompt_ids"], max_new)
-        records.append({"id": item["id"], "set": item["set"], "method": method,
-                        "output_ids": out, "wall_s": time.perf_counter() - start,
-                        "rounds": len(out), "server_calls": 0})
-        log(f"  {method:>14} {item['id']:<22} {len(out) / records[-1]['wall_s']:6.1f} tok/s")
-    return records
+LOCAL_METHODS = ("plain", "prompt-lookup", "plain-onednn", "prompt-lookup-onednn")
 
 
-def prompt_lookup_generate(target: TargetModel, prompt_ids: list[int], max_new: int) -> list[int]:
+def generate_local(target: TargetModel, prompt_ids: list[int], max_new: int,
+                   prompt_lookup: bool) -> list[int]:
+    """transformers `generate`, greedy, plain or with prompt lookup (10 tokens per draft)."""
+    if not prompt_lookup:
+        return plain_greedy(target, prompt_ids, max_new)
     import torch
 
     ids = torch.tensor([prompt_ids])
@@ -72,22 +63,67 @@ def prompt_lookup_generate(target: TargetModel, prompt_ids: list[int], max_new: 
     return out[0, len(prompt_ids):].tolist()
 
 
-async def run_split(address: str, items: list[dict], max_new: int, drafter: str,
-                    nodes: str) -> list[dict]:
-    """`nodes`: a fixed tree budget, or 'auto' (sized from measured costs each round)."""
-    method = f"split-{drafter}-{nodes}"
+class Contenders:
+    """Every method, runnable on one prompt: local models on their own thread (the thread that
+    loaded them, see cloud_server/model_thread.py), split clients against one cloud-server."""
+
+    def __init__(self, clients: dict[str, EdgeClient], max_new: int):
+        self.thread = ModelThread()
+        spec = model_store.resolve("default")
+        self.local = {onednn: self.thread.call(TargetModel.load, *spec, "cpu", onednn=onednn)
+                      for onednn in (False, True)}
+        self.clients = clients
+        self.max_new = max_new
+
+    @property
+    def methods(self) -> list[str]:
+        return [*LOCAL_METHODS, *self.clients]
+
+    async def run(self, method: str, item: dict) -> dict:
+        record = {"id": item["id"], "set": item["set"], "method": method}
+        if method in LOCAL_METHODS:
+            target = self.local[method.endswith("onednn")]
+            start = time.perf_counter()
+            out = await self.thread.run(generate_local, target, item["prompt_ids"],
+                                        self.max_new, method.startswith("prompt-lookup"))
+            return dict(record, output_ids=out, wall_s=time.perf_counter() - start,
+                        rounds=len(out), server_calls=0)
+        r = await self.clients[method].generate(
+            OpenRequest(prompt_ids=tuple(item["prompt_ids"]), max_new_tokens=self.max_new))
+        return dict(record, output_ids=r.output_ids, wall_s=r.wall_s, rounds=r.rounds,
+                    tau=r.tau, server_calls=r.server_calls, bytes=r.bytes_up + r.bytes_down)
+
+
+async def run_all(address: str, items: list[dict], args: argparse.Namespace) -> list[dict]:
+    """Every method on a prompt before the next prompt, so drift in the machine's speed
+    (seen here: 25% between runs) lands on all methods alike."""
+    configs = [(d, n) for d in args.drafters.split(",") for n in args.tree_nodes.split(",")]
+    clients = {f"split-{d}-{n}": EdgeClient(address, ClientOptions(
+        d, None if n == "auto" else int(n), args.max_new_tokens)) for d, n in configs}
+    for client in clients.values():
+        await client.__aenter__()
+    contenders = Contenders(clients, args.max_new_tokens)
     records = []
-    fixed = None if nodes == "auto" else int(nodes)
-    async with EdgeClient(address, ClientOptions(drafter, fixed, max_new)) as client:
+    try:
         for item in items:
-            r = await client.generate(OpenRequest(prompt_ids=tuple(item["prompt_ids"]),
-                                                  max_new_tokens=max_new))
-            records.append({"id": item["id"], "set": item["set"], "method": method,
-                            "output_ids": r.output_ids, "wall_s": r.wall_s, "rounds": r.rounds,
-                            "tau": r.tau, "server_calls": r.server_calls,
-                            "bytes": r.bytes_up + r.bytes_down})
-            log(f"  {method:>14} {item['id']:<22} {r.tokens_per_s:6.1f} tok/s  tau {r.tau:.2f}")
+            for method in contenders.methods:
+                records.append(await contenders.run(method, item))
+                r = records[-1]
+                log(f"  {method:>22} {item['id']:<22} "
+                    f"{len(r['output_ids']) / r['wall_s']:6.1f} tok/s")
+    finally:
+        for client in clients.values():
+            await client.__aexit__(None, None, None)
     return records
+
+
+async def _prepare_and_run(address: str, args: argparse.Namespace):
+    spec = model_store.resolve("default")
+    target = TargetModel.load(*spec, device="cpu")  # templating and the lossless check only
+    items = [dict(row, prompt_ids=target.apply_chat_template((ChatMessage("user", row["prompt"]),)))
+             for name in prompts.SETS for row in prompts.load(name, args.per_set)]
+    log(f"{len(items)} prompts, {args.max_new_tokens} new tokens each")
+    return target, items, await run_all(address, items, args)
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -151,7 +187,7 @@ def plot(rows: list[dict], path) -> None:
     methods = sorted({r["method"] for r in rows})
     sets = [*prompts.SETS, "all"]
     speed = {(r["method"], r["set"]): r["speedup"] for r in rows}
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = plt.subplots(figsize=(11, 4.5))
     width = 0.8 / len(methods)
     for i, method in enumerate(methods):
         xs = [j + i * width for j in range(len(sets))]
@@ -160,27 +196,16 @@ def plot(rows: list[dict], path) -> None:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sets))], sets)
     ax.set_ylabel("tokens/s relative to plain generate")
     ax.set_title("Greedy decoding, SmolLM2-135M-Instruct on this CPU")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main() -> None:
     args = parse_args()
-    target = TargetModel.load(*model_store.resolve("default"), device="cpu", onednn=False)
-    items = [dict(row, prompt_ids=target.apply_chat_template((ChatMessage("user", row["prompt"]),)))
-             for name in prompts.SETS for row in prompts.load(name, args.per_set)]
-    log(f"{len(items)} prompts, {args.max_new_tokens} new tokens each; {machine()}")
-    records = run_local(target, items, args.max_new_tokens, "plain")
-    records += run_local(target, items, args.max_new_tokens, "prompt-lookup")
-    use_onednn_linear(target.model)  # the kernels the server runs by default
-    records += run_local(target, items, args.max_new_tokens, "plain-onednn")
-    records += run_local(target, items, args.max_new_tokens, "prompt-lookup-onednn")
+    log(machine())
     with cloud_server("--device", "cpu") as address:
-        for drafter in args.drafters.split(","):
-            for nodes in args.tree_nodes.split(","):
-                records += asyncio.run(run_split(address, items, args.max_new_tokens, drafter,
-                                                 nodes))
+        target, items, records = asyncio.run(_prepare_and_run(address, args))
     failures = check_lossless(target, items, records)
     rows = summarize(records)
     table = render(rows)
