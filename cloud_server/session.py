@@ -7,13 +7,22 @@ pending token. Runs on the model thread only; knows nothing of gRPC.
 """
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 
+import torch
+
 from cloud_server.target import TargetModel, keep_path
-from shared.acceptance import accept_greedy
+from shared.acceptance import (
+    Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_topk_drafts,
+)
 from shared.errors import InvalidRequest, OutOfOrder
 from shared.messages import Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Verdict
+from shared.sampling import RngStream, round_rng, warp
+from shared.tree import DraftTree
+
+DEFAULT_SAMPLING_MODE = AcceptanceMode.TOPK_DRAFTS
 
 
 class Session:
@@ -23,6 +32,9 @@ class Session:
         self.limits = limits
         self.prompt_ids = self._prompt_ids(request)
         self.max_new_tokens, self._cap_reason = self._token_budget(request.max_new_tokens)
+        self.sampling = request.sampling
+        self.acceptance = self._acceptance_mode(request)
+        self.seed = secrets.randbits(63) if request.sampling.seed is None else request.sampling.seed
         self.committed: list[int] = list(self.prompt_ids)
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
@@ -67,15 +79,28 @@ class Session:
             return room, FinishReason.CONTEXT
         return wanted, FinishReason.LENGTH
 
+    def _acceptance_mode(self, request: OpenRequest) -> AcceptanceMode:
+        mode = request.acceptance
+        if mode is None:
+            return AcceptanceMode.GREEDY if request.sampling.greedy else DEFAULT_SAMPLING_MODE
+        if mode is AcceptanceMode.SAMPLED_DRAFTS:
+            raise InvalidRequest("acceptance sampled-drafts needs draft probabilities, which this "
+                                 "server version does not take yet: use topk-drafts or "
+                                 "exponential-race")
+        if mode is AcceptanceMode.GREEDY and not request.sampling.greedy:
+            raise InvalidRequest("greedy acceptance with temperature > 0: choose a sampling "
+                                 "acceptance mode or temperature 0")
+        return mode
+
     def opened(self) -> Opened:
-        return Opened(self.id, self.prompt_ids)
+        return Opened(self.id, self.prompt_ids, self.acceptance, self.seed)
 
     def prefill(self) -> Verdict:
         """Round 0: runs the prompt and commits the target's first token."""
         start = time.perf_counter()
         self._cache, logits = self.target.prefill(list(self.prompt_ids))
-        first = int(logits.argmax())
-        return self._commit((), (first,), start)
+        acceptance = self._accept(DraftTree((), ()), logits[None])
+        return self._commit((), acceptance.tokens, start)
 
     def verify(self, draft: DraftRequest) -> Verdict:
         """One round: checks the tree against the target and commits what it agrees with."""
@@ -85,10 +110,20 @@ class Session:
         start = time.perf_counter()
         base = len(self.committed) - 1
         logits = self.target.forward_tree(self._cache, self.committed[-1], draft.tree)
-        acceptance = accept_greedy(draft.tree, logits.argmax(-1).cpu().numpy())
-        keep_path(self._cache, base, acceptance.accepted_nodes)
         self.rounds += 1
+        acceptance = self._accept(draft.tree, logits)
+        keep_path(self._cache, base, acceptance.accepted_nodes)
         return self._commit(acceptance.accepted_nodes, acceptance.tokens, start)
+
+    def _accept(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+        """The session's acceptance rule on logits: [1 + n, vocab] (DESIGN section 4); row 0
+        predicts the token at position len(committed)."""
+        if self.acceptance is AcceptanceMode.GREEDY:
+            return accept_greedy(tree, logits.argmax(-1).cpu().numpy())
+        p = warp(logits.cpu().numpy(), self.sampling)  # [1 + n, vocab]
+        if self.acceptance is AcceptanceMode.EXPONENTIAL_RACE:
+            return accept_exponential_race(tree, p, self.seed, len(self.committed))
+        return accept_topk_drafts(tree, p, round_rng(self.seed, RngStream.VERIFY, self.rounds))
 
     def _check_order(self, draft: DraftRequest) -> None:
         if self.finished:

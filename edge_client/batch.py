@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from edge_client.client import EdgeClient
+from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError, ServerUnreachable
 from shared.messages import ChatMessage, OpenRequest
@@ -30,21 +30,20 @@ def read_prompts(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                     raise BadInput(f"{path}:{lineno}: not JSON ({err.msg})") from None
 
 
-def to_request(item: dict[str, Any], max_new_tokens: int) -> OpenRequest:
+def to_request(item: dict[str, Any], options: ClientOptions) -> OpenRequest:
     if "input_ids" in item:
         ids = item["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise BadInput("input_ids must be a list of integers")
-        return OpenRequest(prompt_ids=tuple(ids), max_new_tokens=max_new_tokens)
+        return options.open_request(prompt_ids=ids)
     if "messages" in item:
         try:
             chat = tuple(ChatMessage(str(m["role"]), str(m["content"])) for m in item["messages"])
         except (KeyError, TypeError):
             raise BadInput("messages must be a list of {role, content}") from None
-        return OpenRequest(chat=chat, max_new_tokens=max_new_tokens)
+        return options.open_request(chat=chat)
     if isinstance(item.get("prompt"), str):
-        chat = (ChatMessage("user", item["prompt"]),)
-        return OpenRequest(chat=chat, max_new_tokens=max_new_tokens)
+        return options.open_request(chat=(ChatMessage("user", item["prompt"]),))
     raise BadInput("each line needs one of: prompt, messages, input_ids")
 
 
@@ -78,7 +77,7 @@ async def run_batch(client: EdgeClient, prompts: Path, out: Path) -> tuple[int, 
         for lineno, item in read_prompts(prompts):
             item_id = item.get("id", lineno)
             try:
-                request = to_request(item, client.options.max_new_tokens)
+                request = to_request(item, client.options)
                 result = await client.generate(request)
                 record = result_record(item_id, result, client.decode(result.output_ids))
                 ok += 1

@@ -15,7 +15,9 @@ from edge_client.client import DEFAULT_DRAFTER, ClientOptions, EdgeClient
 from edge_client.drafters import DRAFTERS
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
-from shared.messages import ChatMessage, OpenRequest
+from shared.acceptance import AcceptanceMode
+from shared.messages import ChatMessage
+from shared.sampling import SamplingParams
 
 EXIT_USAGE, EXIT_LINK = 2, 3
 
@@ -24,6 +26,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
     p.add_argument("--drafter", choices=sorted(DRAFTERS), default=DEFAULT_DRAFTER)
     p.add_argument("--max-new-tokens", type=positive, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 (default): off")
+    p.add_argument("--seed", type=int, default=None, help="makes a sampled answer reproducible")
+    p.add_argument("--acceptance", choices=[m.value for m in AcceptanceMode], default=None,
+                   help="verification rule; default: greedy, or topk-drafts when sampling")
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
                    help="draft nodes per round, or 'auto' (default): sized each round from the "
                         "server's measured verify cost and the drafter's measured acceptance")
@@ -70,11 +78,9 @@ def stats_line(r: GenerationResult) -> str:
 async def ask(args: argparse.Namespace, options: ClientOptions) -> int:
     async with EdgeClient(args.server, options) as client:
         if args.no_chat_template:
-            request = OpenRequest(prompt_ids=tuple(client.encode(args.prompt)),
-                                  max_new_tokens=options.max_new_tokens)
+            request = options.open_request(prompt_ids=client.encode(args.prompt))
         else:
-            request = OpenRequest(chat=(ChatMessage("user", args.prompt),),
-                                  max_new_tokens=options.max_new_tokens)
+            request = options.open_request(chat=(ChatMessage("user", args.prompt),))
         result = await client.generate(request, on_text=print_live)
     print(flush=True)
     print(stats_line(result), file=sys.stderr)
@@ -93,9 +99,22 @@ async def batch(args: argparse.Namespace, options: ClientOptions) -> int:
     return 0 if failed == 0 else 1
 
 
+def options_from(args: argparse.Namespace) -> ClientOptions:
+    try:
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    acceptance = None if args.acceptance is None else AcceptanceMode(args.acceptance)
+    return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    options = ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens)
+    try:
+        options = options_from(args)
+    except BadInput as err:
+        print(f"edge-client: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     command = ask if args.command == "ask" else batch
     try:
         return asyncio.run(command(args, options))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from tokenizers import Tokenizer
 
@@ -11,7 +11,9 @@ from edge_client.drafters import make_drafter
 from edge_client.generate import GenerationResult, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.tokenizer import TextStream, load_tokenizer
-from shared.messages import PROTOCOL_VERSION, OpenRequest, ServerInfo
+from shared.acceptance import AcceptanceMode
+from shared.messages import PROTOCOL_VERSION, ChatMessage, OpenRequest, ServerInfo
+from shared.sampling import SamplingParams
 
 DEFAULT_DRAFTER = "pld"
 
@@ -21,6 +23,14 @@ class ClientOptions:
     drafter: str = DEFAULT_DRAFTER
     tree_nodes: int | None = None  # None: sized each round from measured costs (budget.py)
     max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    acceptance: AcceptanceMode | None = None  # None: the server's choice
+
+    def open_request(self, prompt_ids: Sequence[int] | None = None,
+                     chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
+        return OpenRequest(prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
+                           chat=chat, max_new_tokens=self.max_new_tokens,
+                           sampling=self.sampling, acceptance=self.acceptance)
 
 
 class EdgeClient:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shared.acceptance import AcceptanceMode
+from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 
 PROTOCOL_VERSION = 1
@@ -62,11 +64,14 @@ class ChatMessage:
 
 @dataclass(frozen=True)
 class OpenRequest:
-    """Exactly one of `prompt_ids` (used as given) and `chat` (templated by the server)."""
+    """Exactly one of `prompt_ids` (used as given) and `chat` (templated by the server).
+    `acceptance` None lets the server choose: greedy when not sampling."""
 
     prompt_ids: tuple[int, ...] | None = None
     chat: tuple[ChatMessage, ...] | None = None
     max_new_tokens: int = 0
+    sampling: SamplingParams = SamplingParams()
+    acceptance: AcceptanceMode | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ class CloseRequest:
 class Opened:
     session_id: str
     prompt_ids: tuple[int, ...]
+    acceptance: AcceptanceMode = AcceptanceMode.GREEDY
+    seed: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,14 @@
 """The wire codec: protobuf messages <-> domain types. The one module that touches both."""
 from __future__ import annotations
 
+from shared.acceptance import AcceptanceMode
 from shared.errors import InvalidRequest
 from shared.messages import (
     ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage, CloseRequest, Done, DraftRequest,
     FinishReason, Limits, OpenRequest, Opened, ServerInfo, ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 
 _LIMIT_FIELDS = tuple(Limits.__dataclass_fields__)
@@ -46,7 +48,9 @@ def info_from_proto(msg: pb.InfoResponse) -> ServerInfo:
 
 def client_to_proto(msg: ClientMessage) -> pb.ClientMessage:
     if isinstance(msg, OpenRequest):
-        open_msg = pb.Open(max_new_tokens=msg.max_new_tokens)
+        open_msg = pb.Open(max_new_tokens=msg.max_new_tokens,
+                           sampling=_sampling_to_proto(msg.sampling),
+                           acceptance=_mode_to_proto(msg.acceptance))
         if msg.chat is not None:
             open_msg.chat.messages.extend(
                 pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -73,19 +77,46 @@ def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
 
 
 def _open_from_proto(msg: pb.Open) -> OpenRequest:
+    common = dict(max_new_tokens=msg.max_new_tokens, sampling=_sampling_from_proto(msg.sampling),
+                  acceptance=_mode_from_proto(msg.acceptance))
     which = msg.WhichOneof("prompt")
     if which == "chat":
-        chat = tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages)
-        return OpenRequest(chat=chat, max_new_tokens=msg.max_new_tokens)
+        return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
+                           **common)
     if which == "input_ids":
-        return OpenRequest(prompt_ids=tuple(msg.input_ids.ids), max_new_tokens=msg.max_new_tokens)
+        return OpenRequest(prompt_ids=tuple(msg.input_ids.ids), **common)
     raise InvalidRequest("open has no prompt: set input_ids or chat")
+
+
+def _sampling_to_proto(params: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                       seed=params.seed)
+
+
+def _sampling_from_proto(msg: pb.Sampling) -> SamplingParams:
+    try:
+        return SamplingParams(temperature=msg.temperature, top_k=msg.top_k,
+                              top_p=msg.top_p if msg.top_p > 0 else 1.0,
+                              seed=msg.seed if msg.HasField("seed") else None)
+    except ValueError as err:
+        raise InvalidRequest(f"sampling: {err}") from None
+
+
+def _mode_to_proto(mode: AcceptanceMode | None) -> int:
+    name = "UNSPECIFIED" if mode is None else mode.name
+    return pb.AcceptanceMode.Value(f"ACCEPTANCE_MODE_{name}")
+
+
+def _mode_from_proto(value: int) -> AcceptanceMode | None:
+    name = pb.AcceptanceMode.Name(value).removeprefix("ACCEPTANCE_MODE_")
+    return None if name == "UNSPECIFIED" else AcceptanceMode[name]
 
 
 def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
     if isinstance(msg, Opened):
-        return pb.ServerMessage(opened=pb.Opened(session_id=msg.session_id,
-                                                 prompt_ids=msg.prompt_ids))
+        return pb.ServerMessage(opened=pb.Opened(
+            session_id=msg.session_id, prompt_ids=msg.prompt_ids,
+            acceptance=_mode_to_proto(msg.acceptance), seed=msg.seed))
     if isinstance(msg, Verdict):
         return pb.ServerMessage(verdict=pb.Verdict(
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
@@ -99,7 +130,8 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
 def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     kind = msg.WhichOneof("kind")
     if kind == "opened":
-        return Opened(msg.opened.session_id, tuple(msg.opened.prompt_ids))
+        o = msg.opened
+        return Opened(o.session_id, tuple(o.prompt_ids), _mode_from_proto(o.acceptance), o.seed)
     if kind == "verdict":
         v = msg.verdict
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,

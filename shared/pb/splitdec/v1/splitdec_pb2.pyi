@@ -12,6 +12,14 @@ class ArtifactKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ARTIFACT_KIND_UNSPECIFIED: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_TOKENIZER: _ClassVar[ArtifactKind]
 
+class AcceptanceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACCEPTANCE_MODE_UNSPECIFIED: _ClassVar[AcceptanceMode]
+    ACCEPTANCE_MODE_GREEDY: _ClassVar[AcceptanceMode]
+    ACCEPTANCE_MODE_TOPK_DRAFTS: _ClassVar[AcceptanceMode]
+    ACCEPTANCE_MODE_SAMPLED_DRAFTS: _ClassVar[AcceptanceMode]
+    ACCEPTANCE_MODE_EXPONENTIAL_RACE: _ClassVar[AcceptanceMode]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -20,6 +28,11 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
 ARTIFACT_KIND_UNSPECIFIED: ArtifactKind
 ARTIFACT_KIND_TOKENIZER: ArtifactKind
+ACCEPTANCE_MODE_UNSPECIFIED: AcceptanceMode
+ACCEPTANCE_MODE_GREEDY: AcceptanceMode
+ACCEPTANCE_MODE_TOPK_DRAFTS: AcceptanceMode
+ACCEPTANCE_MODE_SAMPLED_DRAFTS: AcceptanceMode
+ACCEPTANCE_MODE_EXPONENTIAL_RACE: AcceptanceMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -125,15 +138,31 @@ class ChatPrompt(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
+class Sampling(_message.Message):
+    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ...) -> None: ...
+    sampling: Sampling
+    acceptance: AcceptanceMode
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("round_id", "base_length", "tokens", "parents")
@@ -162,12 +191,16 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "prompt_ids")
+    __slots__ = ("session_id", "prompt_ids", "acceptance", "seed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    acceptance: AcceptanceMode
+    seed: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ServerTimings(_message.Message):
     __slots__ = ("queue_ms", "verify_ms")

@@ -1,0 +1,79 @@
+"""Sampling over split decoding, end to end on the tiny model: races are a function of
+(seed, prompt) alone, seeded sessions replay, and the server refuses what it cannot honour."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from edge_client.client import ClientOptions, EdgeClient
+from shared.acceptance import AcceptanceMode
+from shared.sampling import SamplingParams, race_noise, race_winner, warp
+from tests.test_server_errors import assert_refused, open_msg
+from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7]
+MAX_NEW = 30
+SAMPLING = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234)
+
+
+def generate(address: str, drafter: str, nodes: int | None, sampling: SamplingParams,
+             acceptance: AcceptanceMode | None):
+    async def go():
+        options = ClientOptions(drafter, nodes, MAX_NEW, sampling, acceptance)
+        async with EdgeClient(address, options) as client:
+            return await client.generate(options.open_request(prompt_ids=PROMPT))
+    return asyncio.run(go())
+
+
+@torch.inference_mode()
+def race_reference(target, sampling: SamplingParams) -> list[int]:
+    """Token-by-token decoding where each token is the race winner under the target's p."""
+    ids, stops = list(PROMPT), set(target.stop_token_ids())
+    while len(ids) - len(PROMPT) < MAX_NEW:
+        logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
+        ids.append(race_winner(warp(logits, sampling),
+                               race_noise(sampling.seed, len(ids), target.vocab_size)))
+        if ids[-1] in stops:
+            break
+    return ids[len(PROMPT):]
+
+
+def test_exponential_race_text_is_the_same_whatever_the_drafter(tiny_server, tiny_target):
+    race = AcceptanceMode.EXPONENTIAL_RACE
+    outputs = {(d, n): generate(tiny_server.address, d, n, SAMPLING, race).output_ids
+               for d in ("pld", "aded") for n in (1, 8, None)}
+    expected = race_reference(tiny_target, SAMPLING)
+    assert all(out == expected for out in outputs.values()), (outputs, expected)
+    other_seed = SamplingParams(0.9, 50, 0.95, seed=99)
+    assert generate(tiny_server.address, "pld", None, other_seed, race).output_ids != expected
+
+
+@pytest.mark.parametrize("mode", [None, AcceptanceMode.TOPK_DRAFTS])
+def test_seeded_sampling_replays(tiny_server, mode):
+    runs = [generate(tiny_server.address, "aded", 8, SAMPLING, mode).output_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert len(runs[0]) > 0
+
+
+def test_sampling_with_temperature_zero_is_greedy(tiny_server):
+    greedy = generate(tiny_server.address, "pld", 8, SamplingParams(), None).output_ids
+    topk = generate(tiny_server.address, "pld", 8, SamplingParams(seed=3),
+                    AcceptanceMode.TOPK_DRAFTS).output_ids
+    assert greedy == topk
+
+
+@pytest.mark.parametrize("sampling, mode, words", [
+    (pb.Sampling(temperature=0.8), pb.ACCEPTANCE_MODE_SAMPLED_DRAFTS, "not take yet"),
+    (pb.Sampling(temperature=0.8), pb.ACCEPTANCE_MODE_GREEDY, "greedy acceptance"),
+    (pb.Sampling(temperature=-1.0), pb.ACCEPTANCE_MODE_UNSPECIFIED, "temperature"),
+    (pb.Sampling(temperature=0.8, top_p=1.5), pb.ACCEPTANCE_MODE_UNSPECIFIED, "top_p"),
+])
+def test_unusable_sampling_is_refused(tiny_server, sampling, mode, words):
+    import grpc
+
+    msg = open_msg()
+    msg.open.sampling.CopyFrom(sampling)
+    msg.open.acceptance = mode
+    assert_refused(tiny_server.address, [msg], grpc.StatusCode.INVALID_ARGUMENT, words)
