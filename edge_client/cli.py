@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from pathlib import Path
+from typing import Iterator
 
 from edge_client.batch import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, ClientOptions, EdgeClient
@@ -17,6 +19,7 @@ from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
 from shared.acceptance import AcceptanceMode
 from shared.messages import ChatMessage
+from shared.netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
 from shared.sampling import SamplingParams
 
 EXIT_USAGE, EXIT_LINK = 2, 3
@@ -32,6 +35,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="makes a sampled answer reproducible")
     p.add_argument("--acceptance", choices=[m.value for m in AcceptanceMode], default=None,
                    help="verification rule; default: greedy, or topk-drafts when sampling")
+    p.add_argument("--network", type=network_conditions, default=None, metavar="SPEC",
+                   help="route through a simulated network (shared/netsim.py): "
+                        + CONDITIONS_HELP)
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
                    help="draft nodes per round, or 'auto' (default): sized each round from the "
                         "server's measured verify cost and the drafter's measured acceptance")
@@ -42,6 +48,24 @@ def positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def network_conditions(text: str) -> NetworkConditions:
+    try:
+        return parse_conditions(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+@contextlib.contextmanager
+def server_path(args: argparse.Namespace) -> Iterator[str]:
+    """The address to dial: the server itself, or a netsim proxy in front of it."""
+    if args.network is None:
+        yield args.server
+        return
+    with ProxyThread(args.server, args.network) as proxy:
+        print(f"[network: {args.network.describe()}]", file=sys.stderr)
+        yield proxy.address
 
 
 def tree_nodes(text: str) -> int | None:
@@ -75,8 +99,8 @@ def stats_line(r: GenerationResult) -> str:
             f"{r.finish_reason.name.lower()}]")
 
 
-async def ask(args: argparse.Namespace, options: ClientOptions) -> int:
-    async with EdgeClient(args.server, options) as client:
+async def ask(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
+    async with EdgeClient(address, options) as client:
         if args.no_chat_template:
             request = options.open_request(prompt_ids=client.encode(args.prompt))
         else:
@@ -92,8 +116,8 @@ def print_live(text: str) -> None:
     sys.stdout.flush()
 
 
-async def batch(args: argparse.Namespace, options: ClientOptions) -> int:
-    async with EdgeClient(args.server, options) as client:
+async def batch(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
+    async with EdgeClient(address, options) as client:
         ok, failed = await run_batch(client, args.prompts, args.out)
     print(f"[{ok} done, {failed} failed -> {args.out}]", file=sys.stderr)
     return 0 if failed == 0 else 1
@@ -117,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     command = ask if args.command == "ask" else batch
     try:
-        return asyncio.run(command(args, options))
+        with server_path(args) as address:
+            return asyncio.run(command(args, options, address))
     except (LinkError, BadInput, OSError) as err:
         print(f"edge-client: error: {err}", file=sys.stderr)
         return EXIT_LINK if isinstance(err, LinkError) else EXIT_USAGE

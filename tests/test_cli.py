@@ -101,3 +101,17 @@ def test_any_local_checkpoint_serves_end_to_end(tiny_model_dir):
                               capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "tau" in proc.stderr and " tokens, " in proc.stderr
+
+
+def test_network_profile_routes_through_netsim(tiny_server):
+    proc = subprocess.run(EDGE + ["--server", tiny_server.address, "--network", "delay=20,bw=50",
+                                  "--max-new-tokens", "8", "--no-chat-template", "hello"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "[network:" in proc.stderr and "tau" in proc.stderr
+
+
+def test_bad_network_spec_exits_2():
+    proc = subprocess.run(EDGE + ["--server", "x:1", "--network", "dialup", "hi"],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and "network" in proc.stderr
