@@ -27,7 +27,7 @@ proto: $(STAMP)
 	$(PY) scripts/gen_proto.py
 
 bench: $(STAMP)
-	$(PY) benchmarks/training_free.py
+	$(PY) -m benchmarks.training_free --per-set 4 --max-new-tokens 128 --drafters pld,aded --tree-nodes auto,8
 
 clean:
 	rm -rf $(VENV) build *.egg-info

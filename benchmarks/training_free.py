@@ -67,12 +67,12 @@ class Contenders:
     """Every method, runnable on one prompt: local models on their own thread (the thread that
     loaded them, see cloud_server/model_thread.py), split clients against one cloud-server."""
 
-    def __init__(self, clients: dict[str, EdgeClient], max_new: int):
+    def __init__(self, max_new: int):
         self.thread = ModelThread()
         spec = model_store.resolve("default")
         self.local = {onednn: self.thread.call(TargetModel.load, *spec, "cpu", onednn=onednn)
                       for onednn in (False, True)}
-        self.clients = clients
+        self.clients: dict[str, EdgeClient] = {}
         self.max_new = max_new
 
     @property
@@ -94,7 +94,8 @@ class Contenders:
                     tau=r.tau, server_calls=r.server_calls, bytes=r.bytes_up + r.bytes_down)
 
 
-async def run_all(address: str, items: list[dict], args: argparse.Namespace) -> list[dict]:
+async def run_all(address: str, items: list[dict], args: argparse.Namespace,
+                  contenders: Contenders) -> list[dict]:
     """Every method on a prompt before the next prompt, so drift in the machine's speed
     (seen here: 25% between runs) lands on all methods alike."""
     configs = [(d, n) for d in args.drafters.split(",") for n in args.tree_nodes.split(",")]
@@ -102,7 +103,7 @@ async def run_all(address: str, items: list[dict], args: argparse.Namespace) -> 
         d, None if n == "auto" else int(n), args.max_new_tokens)) for d, n in configs}
     for client in clients.values():
         await client.__aenter__()
-    contenders = Contenders(clients, args.max_new_tokens)
+    contenders.clients = clients
     records = []
     try:
         for item in items:
@@ -115,15 +116,6 @@ async def run_all(address: str, items: list[dict], args: argparse.Namespace) -> 
         for client in clients.values():
             await client.__aexit__(None, None, None)
     return records
-
-
-async def _prepare_and_run(address: str, args: argparse.Namespace):
-    spec = model_store.resolve("default")
-    target = TargetModel.load(*spec, device="cpu")  # templating and the lossless check only
-    items = [dict(row, prompt_ids=target.apply_chat_template((ChatMessage("user", row["prompt"]),)))
-             for name in prompts.SETS for row in prompts.load(name, args.per_set)]
-    log(f"{len(items)} prompts, {args.max_new_tokens} new tokens each")
-    return target, items, await run_all(address, items, args)
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -205,8 +197,15 @@ def main() -> None:
     args = parse_args()
     log(machine())
     with cloud_server("--device", "cpu") as address:
-        target, items, records = asyncio.run(_prepare_and_run(address, args))
-    failures = check_lossless(target, items, records)
+        # No model work on the main thread: it would slow the model thread (model_thread.py).
+        contenders = Contenders(args.max_new_tokens)
+        target = contenders.local[True]
+        items = [dict(row, prompt_ids=target.apply_chat_template(
+                     (ChatMessage("user", row["prompt"]),)))
+                 for name in prompts.SETS for row in prompts.load(name, args.per_set)]
+        log(f"{len(items)} prompts, {args.max_new_tokens} new tokens each")
+        records = asyncio.run(run_all(address, items, args, contenders))
+    failures = contenders.thread.call(check_lossless, target, items, records)
     rows = summarize(records)
     table = render(rows)
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} new "
