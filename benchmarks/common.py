@@ -46,3 +46,24 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
              "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def grouped_bars(path: Path, groups: Sequence[str], series: dict[str, list[float]],
+                 ylabel: str, title: str, baseline: float | None = None) -> None:
+    """A PNG with one cluster of bars per group and one bar per series in each cluster."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(series)
+    for i, (label, values) in enumerate(series.items()):
+        ax.bar([j + i * width for j in range(len(groups))], values, width, label=label)
+    if baseline is not None:
+        ax.axhline(baseline, color="gray", linewidth=0.8)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))], groups)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

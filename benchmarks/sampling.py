@@ -18,7 +18,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks import prompts
-from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from benchmarks.common import RESULTS, cloud_server, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.model_thread import ModelThread
 from cloud_server.target import TargetModel
@@ -91,24 +91,12 @@ def summarize(records: list[dict]) -> list[tuple]:
 
 
 def plot(rows: list[tuple], path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = sorted({r[0] for r in rows if r[0] != "plain generate"})
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(methods)
     tau = {(r[0], r[1]): float(r[4]) for r in rows if r[4] != "-"}
-    for i, method in enumerate(methods):
-        xs = [j + i * width for j in range(len(TEMPERATURES))]
-        ax.bar(xs, [tau.get((method, t), 0) for t in TEMPERATURES], width, label=method)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(TEMPERATURES))],
-                  [f"T={t}" for t in TEMPERATURES])
-    ax.set_ylabel("tau (tokens per round)")
-    ax.set_title("Split decoding under sampling, SmolLM2-135M-Instruct, training-free drafters")
-    ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    methods = sorted({method for method, _ in tau})
+    grouped_bars(path, [f"T={t}" for t in TEMPERATURES],
+                 {m: [tau.get((m, t), 0) for t in TEMPERATURES] for m in methods},
+                 "tau (tokens per round)",
+                 "Split decoding under sampling, SmolLM2-135M-Instruct, training-free drafters")
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ import time
 from collections import defaultdict
 
 from benchmarks import prompts
-from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from benchmarks.common import RESULTS, cloud_server, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.model_thread import ModelThread
 from cloud_server.reference import compare, plain_greedy
@@ -172,25 +172,11 @@ def render(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = sorted({r["method"] for r in rows})
     sets = [*prompts.SETS, "all"]
     speed = {(r["method"], r["set"]): r["speedup"] for r in rows}
-    fig, ax = plt.subplots(figsize=(11, 4.5))
-    width = 0.8 / len(methods)
-    for i, method in enumerate(methods):
-        xs = [j + i * width for j in range(len(sets))]
-        ax.bar(xs, [speed.get((method, s), 0) for s in sets], width, label=method)
-    ax.axhline(1.0, color="gray", linewidth=0.8)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sets))], sets)
-    ax.set_ylabel("tokens/s relative to plain generate")
-    ax.set_title("Greedy decoding, SmolLM2-135M-Instruct on this CPU")
-    ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    series = {m: [speed.get((m, s), 0) for s in sets] for m in sorted({r["method"] for r in rows})}
+    grouped_bars(path, sets, series, "tokens/s relative to plain generate",
+                 "Greedy decoding, SmolLM2-135M-Instruct on this CPU", baseline=1.0)
 
 
 def main() -> None:
