@@ -46,3 +46,22 @@ def test_real_model_split_equals_plain(real_target, drafter):
     rounds = sum(r.rounds for r in results)
     tokens = sum(len(r.output_ids) for r in results)
     assert rounds < tokens, "speculation never committed more than one token per round"
+
+
+def test_real_model_seeded_sampling_replays_and_races_ignore_the_drafter(real_target):
+    from shared.acceptance import AcceptanceMode
+    from shared.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    chat = (ChatMessage("user", "Write a short poem about the sea."),)
+
+    async def go(drafter: str, mode: AcceptanceMode):
+        options = ClientOptions(drafter, None, 32, sampling, mode)
+        async with EdgeClient(server.address, options) as client:
+            return (await client.generate(options.open_request(chat=chat))).output_ids
+
+    with ServerThread(real_target) as server:
+        race = [asyncio.run(go(d, AcceptanceMode.EXPONENTIAL_RACE)) for d in ("pld", "aded")]
+        topk = [asyncio.run(go("aded", AcceptanceMode.TOPK_DRAFTS)) for _ in range(2)]
+    assert race[0] == race[1] and len(race[0]) > 0
+    assert topk[0] == topk[1]
