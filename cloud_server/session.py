@@ -23,6 +23,7 @@ from shared.sampling import RngStream, round_rng, warp
 from shared.tree import DraftTree
 
 DEFAULT_SAMPLING_MODE = AcceptanceMode.TOPK_DRAFTS
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
 class Session:
@@ -35,6 +36,8 @@ class Session:
         self.sampling = request.sampling
         self.acceptance = self._acceptance_mode(request)
         self.seed = secrets.randbits(63) if request.sampling.seed is None else request.sampling.seed
+        self._stop_ids = frozenset(target.stop_token_ids()) | self._extra_stop_ids(request)
+        self._stop_strings = self._checked_stop_strings(request.stop_strings)
         self.committed: list[int] = list(self.prompt_ids)
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
@@ -78,6 +81,21 @@ class Session:
         if room < wanted:
             return room, FinishReason.CONTEXT
         return wanted, FinishReason.LENGTH
+
+    def _extra_stop_ids(self, request: OpenRequest) -> frozenset[int]:
+        vocab = self.target.vocab_size
+        bad = next((t for t in request.stop_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"stop token id {bad} is outside [0, {vocab})")
+        return frozenset(request.stop_token_ids)
+
+    @staticmethod
+    def _checked_stop_strings(strings: tuple[str, ...]) -> tuple[str, ...]:
+        if len(strings) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"{len(strings)} stop strings, the limit is {MAX_STOP_STRINGS}")
+        if any(not 0 < len(s) <= MAX_STOP_CHARS for s in strings):
+            raise InvalidRequest(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
+        return strings
 
     def _acceptance_mode(self, request: OpenRequest) -> AcceptanceMode:
         mode = request.acceptance
@@ -136,11 +154,10 @@ class Session:
 
     def _commit(self, accepted: tuple[int, ...], tokens: tuple[int, ...], start: float) -> Verdict:
         tokens = tokens[: self.max_new_tokens - self.generated]
-        stops = set(self.target.stop_token_ids())
-        cut = next((i for i, t in enumerate(tokens) if t in stops), None)
-        if cut is not None:
-            tokens = tokens[: cut + 1]
-            self.finish_reason = FinishReason.STOP_TOKEN
+        stop = self._first_stop(tokens)
+        if stop is not None:
+            tokens = tokens[: stop[0] + 1]
+            self.finish_reason = stop[1]
         self.committed.extend(tokens)
         if not self.finished and self.generated >= self.max_new_tokens:
             self.finish_reason = self._cap_reason
@@ -148,6 +165,20 @@ class Session:
             round_id=self.rounds, accepted_nodes=accepted[: len(tokens)],
             tokens=tokens, committed_length=len(self.committed), finish_reason=self.finish_reason,
             verify_ms=1000 * (time.perf_counter() - start))
+
+    def _first_stop(self, tokens: tuple[int, ...]) -> tuple[int, FinishReason] | None:
+        """The index of the first token that ends the generation, and why. A stop string ends it
+        at the token that completes it, as the user would read the text (no special tokens)."""
+        generated = self.committed[len(self.prompt_ids):]
+        for i, token in enumerate(tokens):
+            if token in self._stop_ids:
+                return i, FinishReason.STOP_TOKEN
+            if self._stop_strings:
+                text = self.target.tokenizer.decode(generated + list(tokens[: i + 1]),
+                                                    skip_special_tokens=True)
+                if any(s in text for s in self._stop_strings):
+                    return i, FinishReason.STOP_STRING
+        return None
 
     def done(self) -> Done:
         return Done(self.finish_reason, self.generated, self.rounds)

@@ -33,6 +33,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default): off")
     p.add_argument("--seed", type=int, default=None, help="makes a sampled answer reproducible")
+    p.add_argument("--stop", action="append", default=[], metavar="STRING",
+                   help="end the answer with the token that completes STRING (repeatable)")
     p.add_argument("--acceptance", choices=[m.value for m in AcceptanceMode], default=None,
                    help="verification rule; default: greedy, or topk-drafts when sampling")
     p.add_argument("--network", type=network_conditions, default=None, metavar="SPEC",
@@ -129,7 +131,8 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
     except ValueError as err:
         raise BadInput(str(err)) from None
     acceptance = None if args.acceptance is None else AcceptanceMode(args.acceptance)
-    return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance)
+    return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance,
+                         tuple(args.stop))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,12 +25,14 @@ class ClientOptions:
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     acceptance: AcceptanceMode | None = None  # None: the server's choice
+    stop_strings: tuple[str, ...] = ()
 
     def open_request(self, prompt_ids: Sequence[int] | None = None,
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
         return OpenRequest(prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
                            chat=chat, max_new_tokens=self.max_new_tokens,
-                           sampling=self.sampling, acceptance=self.acceptance)
+                           sampling=self.sampling, acceptance=self.acceptance,
+                           stop_strings=self.stop_strings)
 
 
 class EdgeClient:

@@ -19,6 +19,7 @@ class FinishReason(enum.Enum):
     STOP_TOKEN = 1
     LENGTH = 2
     CONTEXT = 3
+    STOP_STRING = 4
 
 
 class ArtifactKind(enum.Enum):
@@ -72,6 +73,8 @@ class OpenRequest:
     max_new_tokens: int = 0
     sampling: SamplingParams = SamplingParams()
     acceptance: AcceptanceMode | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,8 @@ def client_to_proto(msg: ClientMessage) -> pb.ClientMessage:
     if isinstance(msg, OpenRequest):
         open_msg = pb.Open(max_new_tokens=msg.max_new_tokens,
                            sampling=_sampling_to_proto(msg.sampling),
-                           acceptance=_mode_to_proto(msg.acceptance))
+                           acceptance=_mode_to_proto(msg.acceptance),
+                           stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings)
         if msg.chat is not None:
             open_msg.chat.messages.extend(
                 pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -78,7 +79,8 @@ def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
 
 def _open_from_proto(msg: pb.Open) -> OpenRequest:
     common = dict(max_new_tokens=msg.max_new_tokens, sampling=_sampling_from_proto(msg.sampling),
-                  acceptance=_mode_from_proto(msg.acceptance))
+                  acceptance=_mode_from_proto(msg.acceptance),
+                  stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings))
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),

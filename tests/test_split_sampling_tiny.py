@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -77,3 +78,39 @@ def test_unusable_sampling_is_refused(tiny_server, sampling, mode, words):
     msg.open.sampling.CopyFrom(sampling)
     msg.open.acceptance = mode
     assert_refused(tiny_server.address, [msg], grpc.StatusCode.INVALID_ARGUMENT, words)
+
+
+def test_stop_strings_and_stop_ids_end_the_generation(tiny_server, tiny_target):
+    from tests.tiny_model import byte_tokenizer
+
+    tokenizer = byte_tokenizer()
+    full = generate(tiny_server.address, "pld", 8, SamplingParams(), None).output_ids
+    text = tokenizer.decode(full, skip_special_tokens=True)
+    stop = text[5:8]  # a string the greedy answer is known to contain
+
+    async def go(**stops):
+        options = ClientOptions("pld", 8, MAX_NEW)
+        async with EdgeClient(tiny_server.address, options) as client:
+            request = options.open_request(prompt_ids=PROMPT)
+            return await client.generate(dataclasses.replace(request, **stops))
+
+    by_string = asyncio.run(go(stop_strings=(stop,)))
+    cut_text = tokenizer.decode(by_string.output_ids, skip_special_tokens=True)
+    assert stop in cut_text
+    assert stop not in tokenizer.decode(by_string.output_ids[:-1], skip_special_tokens=True)
+    assert by_string.output_ids == full[: len(by_string.output_ids)]
+    assert by_string.finish_reason.name == "STOP_STRING"
+    by_id = asyncio.run(go(stop_token_ids=(full[3],)))
+    assert by_id.output_ids == full[: full.index(full[3]) + 1]
+    assert by_id.finish_reason.name == "STOP_TOKEN"
+
+
+def test_bad_stops_are_refused(tiny_server):
+    import grpc
+
+    msg = open_msg()
+    msg.open.stop_token_ids.append(100000)
+    assert_refused(tiny_server.address, [msg], grpc.StatusCode.INVALID_ARGUMENT, "stop token")
+    msg = open_msg()
+    msg.open.stop_strings.append("")
+    assert_refused(tiny_server.address, [msg], grpc.StatusCode.INVALID_ARGUMENT, "stop strings")

@@ -26,6 +26,7 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP_TOKEN: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
+    FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
 ARTIFACT_KIND_UNSPECIFIED: ArtifactKind
 ARTIFACT_KIND_TOKENIZER: ArtifactKind
 ACCEPTANCE_MODE_UNSPECIFIED: AcceptanceMode
@@ -37,6 +38,7 @@ FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
+FINISH_REASON_STOP_STRING: FinishReason
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -151,18 +153,22 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
     sampling: Sampling
     acceptance: AcceptanceMode
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    stop_strings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("round_id", "base_length", "tokens", "parents")
