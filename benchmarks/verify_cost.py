@@ -7,6 +7,8 @@ oneDNN's. A node pays for itself only while it raises tau faster than it raises 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
@@ -19,9 +21,6 @@ from cloud_server.target import TargetModel
 
 def plain_step_ms(target: TargetModel, repeat: int) -> float:
     """A decode step as plain greedy decoding runs it: one token, no mask."""
-    import statistics
-    import time
-
     cache, _ = target.prefill(list(range(100, 100 + PREFIX_TOKENS)))
     samples = []
     for _ in range(repeat + 1):

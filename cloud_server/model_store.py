@@ -26,7 +26,8 @@ def resolve(spec: str) -> tuple[str, str]:
     """Returns (path or hub id to load with from_pretrained, model id to report)."""
     if spec == DEFAULT_SPEC:
         return str(default_checkpoint()), DEFAULT_MODEL_ID
-    return spec, spec.rstrip("/").split("/")[-1] if Path(spec).exists() else spec
+    model_id = Path(spec).name if Path(spec).exists() else spec  # a local dir: its name
+    return spec, model_id
 
 
 def gguf_path() -> Path:

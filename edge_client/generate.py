@@ -90,8 +90,7 @@ async def split_generate(link: ServerLink, drafter: Drafter, request: OpenReques
         await stream.finish()
     finally:
         stream.cancel()
-        result_bytes = (stream.bytes_up, stream.bytes_down)
-    result.bytes_up, result.bytes_down = result_bytes
+    result.bytes_up, result.bytes_down = stream.bytes_up, stream.bytes_down
     result.finish_reason = verdict.finish_reason
     result.wall_s = time.perf_counter() - start
     return result
