@@ -17,12 +17,15 @@ import grpc
 
 from cloud_server.artifacts import ArtifactStore
 from cloud_server.model_thread import ModelThread
+from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
+from cloud_server.sessions import SessionTable
 from cloud_server.target import TargetModel
 from shared import wire
 from shared.errors import InvalidRequest, OutOfOrder, Overloaded, SplitDecodingError
 from shared.messages import (
-    PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, ServerInfo, Verdict,
+    PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, ServerInfo, ServerMessage,
+    Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
@@ -37,6 +40,19 @@ STATUS_OF = {
 }
 
 
+class StreamBroken(Exception):
+    """The client's stream died under a write: nobody is left to tell."""
+
+
+async def _send(context, msg: ServerMessage) -> None:
+    try:
+        await context.write(wire.server_to_proto(msg))
+    except asyncio.CancelledError:
+        raise
+    except Exception as err:  # grpc raises its internal ExecuteBatchError here
+        raise StreamBroken(str(err)) from None
+
+
 def _grpc_status(handler):
     """Maps a domain error raised by a handler to its status code, with the error's message;
     anything else is a bug on our side: logged, and INTERNAL for the caller."""
@@ -48,6 +64,8 @@ def _grpc_status(handler):
             await context.abort(STATUS_OF[type(err)], str(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
+        except StreamBroken:
+            return None
         except Exception as err:  # noqa: BLE001 - the boundary: the server must keep serving
             log.exception("internal error in %s", handler.__name__)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err}")
@@ -61,7 +79,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self.verify_costs = verify_costs
         self.limits = limits
         self.artifacts = artifacts
-        self.sessions: dict[str, Session] = {}
+        self.sessions = SessionTable(limits)
         self._model_thread = model_thread
 
     def info(self) -> ServerInfo:
@@ -92,37 +110,80 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             return
         if not isinstance(opening, OpenRequest):
             raise OutOfOrder("no open session on this stream: the first message must be open")
-        session = await self._open(opening)
+        owner = object()  # this stream, as the session table knows it
+        session, resumed = await self._attach(opening, owner)
         try:
-            await context.write(wire.server_to_proto(session.opened()))
-            await context.write(wire.server_to_proto(await self._on_model(session.prefill)))
-            await self._serve_rounds(session, context)
-        finally:
-            self.sessions.pop(session.id, None)
+            first = (await self._on_model(session.catch_up, opening.resume) if resumed
+                     else await self._on_model(session.prefill))
+            await _send(context, session.opened(resumed))
+            await _send(context, first)
+            ended = await self._serve_rounds(session, context, owner)
+        except SplitDecodingError:
+            self.sessions.release(session, owner)
+            raise
+        except BaseException:  # the stream broke (cancelled, reset): keep it for a resume
+            self.sessions.detach(session, owner)
+            raise
+        if ended:
+            self.sessions.release(session, owner)
+        else:
+            self.sessions.detach(session, owner)
 
-    async def _serve_rounds(self, session: Session, context) -> None:
+    async def _attach(self, request: OpenRequest, owner: object) -> tuple[Session, bool]:
+        """The stream's session, and whether it is an existing one taken over by a resume.
+        A resume of a session the server no longer holds rebuilds it from the edge's history."""
+        if request.resume is not None:
+            if request.prompt_ids is None:
+                raise InvalidRequest("resume needs the prompt as the input_ids Opened answered")
+            held = self.sessions.take_over(request.resume.session_id, owner)
+            if held is not None:
+                if held.prompt_ids != request.prompt_ids:
+                    self.sessions.detach(held, owner)
+                    raise InvalidRequest(f"resume prompt does not match session {held.id}")
+                return held, True
+        return await self._new_session(request, owner), False
+
+    async def _new_session(self, request: OpenRequest, owner: object) -> Session:
+        self.sessions.reserve()
+        session = await self._on_model(Session, self.target, self.limits, request)
+        self.sessions.add(session, owner)
+        return session
+
+    async def _serve_rounds(self, session: Session, context, owner: object) -> bool:
         """Verifies drafts until the generation finishes or the client closes, then says Done;
-        anything sent after that is refused as addressed to a closed session."""
+        anything sent after that is refused as addressed to a closed session. True when the
+        session ended; False when the stream stopped first (the client went away mid-way, or a
+        resume on another stream took the session over)."""
         while not session.finished:
             msg = await self._read(context)
-            if msg is None:
-                return
+            if msg is None or not self.sessions.owns(session, owner):
+                return False
             if isinstance(msg, CloseRequest):
                 break
             if isinstance(msg, OpenRequest):
                 raise OutOfOrder("a session is already open on this stream")
-            await context.write(wire.server_to_proto(await self._verify(session, msg)))
-        await context.write(wire.server_to_proto(session.done()))
+            await _send(context, await self._verify(session, msg))
+        await _send(context, session.done())
         if await self._read(context) is not None:
             raise OutOfOrder(f"session {session.id} is closed")
+        return True
 
-    async def _open(self, request: OpenRequest) -> Session:
-        if len(self.sessions) >= self.limits.max_sessions:
-            raise Overloaded(f"server is at its limit of {self.limits.max_sessions} sessions; "
-                             "retry in a few seconds")
-        session = await self._on_model(Session, self.target, self.limits, request)
-        self.sessions[session.id] = session
-        return session
+    @_grpc_status
+    async def Generate(self, request: pb.GenerateRequest, context) -> None:
+        req = wire.generate_from_proto(request)
+        if req.open.resume is not None:
+            raise InvalidRequest("generate cannot resume a session; open a new one")
+        owner = object()
+        session = await self._new_session(req.open, owner)
+        try:
+            decoder = ServerDecoder(session, req.drafter, req.tree_nodes, self.verify_costs)
+            await _send(context, session.opened())
+            await _send(context, await self._on_model(session.prefill))
+            while not session.finished:
+                await _send(context, await self._on_model(decoder.step))
+            await _send(context, session.done())
+        finally:
+            self.sessions.release(session, owner)
 
     async def _verify(self, session: Session, draft: DraftRequest) -> Verdict:
         queued = time.perf_counter()

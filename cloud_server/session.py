@@ -18,7 +18,9 @@ from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_topk_drafts,
 )
 from shared.errors import InvalidRequest, OutOfOrder
-from shared.messages import Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Verdict
+from shared.messages import (
+    Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Resume, Verdict,
+)
 from shared.sampling import RngStream, round_rng, warp
 from shared.tree import DraftTree
 
@@ -38,7 +40,7 @@ class Session:
         self.seed = secrets.randbits(63) if request.sampling.seed is None else request.sampling.seed
         self._stop_ids = frozenset(target.stop_token_ids()) | self._extra_stop_ids(request)
         self._stop_strings = self._checked_stop_strings(request.stop_strings)
-        self.committed: list[int] = list(self.prompt_ids)
+        self.committed: list[int] = list(self.prompt_ids) + self._history(request)
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache = None
@@ -63,10 +65,7 @@ class Session:
         if len(ids) > self.limits.max_prompt_tokens:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens, the limit is {self.limits.max_prompt_tokens}")
-        vocab = self.target.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad} is outside [0, {vocab})")
+        self._check_ids(ids, "prompt token")
         return ids
 
     def _token_budget(self, requested: int) -> tuple[int, FinishReason]:
@@ -82,11 +81,25 @@ class Session:
             return room, FinishReason.CONTEXT
         return wanted, FinishReason.LENGTH
 
-    def _extra_stop_ids(self, request: OpenRequest) -> frozenset[int]:
+    def _history(self, request: OpenRequest) -> list[int]:
+        """The generated tokens a resumed generation brings along (replayed by the prefill)."""
+        if request.resume is None:
+            return []
+        history = list(request.resume.generated_ids)
+        if len(history) >= self.max_new_tokens:
+            raise InvalidRequest(f"resume brings {len(history)} generated tokens; the session "
+                                 f"allows {self.max_new_tokens}")
+        self._check_ids(history, "resumed token")
+        return history
+
+    def _check_ids(self, ids: list[int] | tuple[int, ...], what: str) -> None:
         vocab = self.target.vocab_size
-        bad = next((t for t in request.stop_token_ids if not 0 <= t < vocab), None)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise InvalidRequest(f"stop token id {bad} is outside [0, {vocab})")
+            raise InvalidRequest(f"{what} id {bad} is outside [0, {vocab})")
+
+    def _extra_stop_ids(self, request: OpenRequest) -> frozenset[int]:
+        self._check_ids(request.stop_token_ids, "stop token")
         return frozenset(request.stop_token_ids)
 
     @staticmethod
@@ -110,26 +123,40 @@ class Session:
                                  "acceptance mode or temperature 0")
         return mode
 
-    def opened(self) -> Opened:
-        return Opened(self.id, self.prompt_ids, self.acceptance, self.seed)
+    def opened(self, resumed: bool = False) -> Opened:
+        return Opened(self.id, self.prompt_ids, self.acceptance, self.seed, resumed)
 
     def prefill(self) -> Verdict:
-        """Round 0: runs the prompt and commits the target's first token."""
+        """Round 0: runs the prompt (and a resumed history) and commits the target's next token."""
         start = time.perf_counter()
-        self._cache, logits = self.target.prefill(list(self.prompt_ids))
+        self._cache, logits = self.target.prefill(self.committed)
         acceptance = self._accept(DraftTree((), ()), logits[None])
         return self._commit((), acceptance.tokens, start)
+
+    def catch_up(self, resume: Resume) -> Verdict:
+        """The answer to a resume of this session: the committed tokens the edge lacks."""
+        held = self.committed[len(self.prompt_ids):]
+        edge = list(resume.generated_ids)
+        if held[: len(edge)] != edge:
+            raise InvalidRequest(f"resume history of {len(edge)} tokens does not match session "
+                                 f"{self.id}")
+        return Verdict(round_id=self.rounds, accepted_nodes=(), tokens=tuple(held[len(edge):]),
+                       committed_length=len(self.committed), finish_reason=self.finish_reason)
 
     def verify(self, draft: DraftRequest) -> Verdict:
         """One round: checks the tree against the target and commits what it agrees with."""
         self._check_order(draft)
         draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
                             self.limits.max_tree_depth)
+        return self.advance(draft.tree)
+
+    def advance(self, tree: DraftTree) -> Verdict:
+        """Verifies a tree from the server itself (unchecked; empty: a plain decoding step)."""
         start = time.perf_counter()
         base = len(self.committed) - 1
-        logits = self.target.forward_tree(self._cache, self.committed[-1], draft.tree)
+        logits = self.target.forward_tree(self._cache, self.committed[-1], tree)
         self.rounds += 1
-        acceptance = self._accept(draft.tree, logits)
+        acceptance = self._accept(tree, logits)
         keep_path(self._cache, base, acceptance.accepted_nodes)
         return self._commit(acceptance.accepted_nodes, acceptance.tokens, start)
 
@@ -141,7 +168,10 @@ class Session:
         p = warp(logits.cpu().numpy(), self.sampling)  # [1 + n, vocab]
         if self.acceptance is AcceptanceMode.EXPONENTIAL_RACE:
             return accept_exponential_race(tree, p, self.seed, len(self.committed))
-        return accept_topk_drafts(tree, p, round_rng(self.seed, RngStream.VERIFY, self.rounds))
+        # Keyed by position, which only grows, so no two decisions share random numbers even
+        # across a session rebuilt from its history (its round count starts again).
+        rng = round_rng(self.seed, RngStream.VERIFY, len(self.committed))
+        return accept_topk_drafts(tree, p, rng)
 
     def _check_order(self, draft: DraftRequest) -> None:
         if self.finished:

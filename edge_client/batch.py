@@ -66,6 +66,12 @@ def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str
         "verify_s": round(result.verify_s, 4),
         "bytes_up": result.bytes_up,
         "bytes_down": result.bytes_down,
+        "offline_tokens": result.offline_tokens,
+        "corrected_tokens": result.corrected_tokens,
+        "unverified_ids": result.unverified_ids,
+        "reconnects": result.reconnects,
+        "outage_s": round(result.outage_s, 3),
+        "hidden_draft_s": round(result.hidden_draft_s, 4),
     }
 
 

@@ -14,9 +14,11 @@ from typing import Iterator
 
 from edge_client.batch import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, ClientOptions, EdgeClient
+from edge_client.display import TerminalView
 from edge_client.drafters import DRAFTERS
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
+from edge_client.offline import LinkPolicy, OfflinePolicy
 from shared.acceptance import AcceptanceMode
 from shared.messages import ChatMessage
 from shared.netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
@@ -40,6 +42,19 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", type=network_conditions, default=None, metavar="SPEC",
                    help="route through a simulated network (shared/netsim.py): "
                         + CONDITIONS_HELP)
+    p.add_argument("--offline-policy", choices=[m.value for m in OfflinePolicy],
+                   default=OfflinePolicy.DRAFT.value,
+                   help="when the link drops: 'draft' (default) goes on with the drafter alone "
+                        "and has the server check that text when the link is back; 'wait' "
+                        "drafts nothing; 'keep' drafts and, if the server never returns, keeps "
+                        "the unverified text (and says so)")
+    p.add_argument("--offline-limit", type=positive, default=LinkPolicy.offline_limit,
+                   help="unverified tokens to draft at most before waiting (default %(default)s)")
+    p.add_argument("--reconnect-timeout", type=float, default=LinkPolicy.reconnect_timeout_s,
+                   metavar="S", help="give up after S seconds without the server (default "
+                                     "%(default)s; 0: fail at the first drop)")
+    p.add_argument("--no-pipeline", action="store_true",
+                   help="do not draft the next tree while a round is in flight")
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
                    help="draft nodes per round, or 'auto' (default): sized each round from the "
                         "server's measured verify cost and the drafter's measured acceptance")
@@ -95,10 +110,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def stats_line(r: GenerationResult) -> str:
-    return (f"[{len(r.output_ids)} tokens, {r.tokens_per_s:.1f} tok/s, {r.rounds} rounds, "
+    line = (f"[{len(r.output_ids)} tokens, {r.tokens_per_s:.1f} tok/s, {r.rounds} rounds, "
             f"tau {r.tau:.2f}, {r.server_calls} server calls, {r.bytes_up} B up / "
-            f"{r.bytes_down} B down, ttft {r.ttft_s * 1000:.0f} ms, "
-            f"{r.finish_reason.name.lower()}]")
+            f"{r.bytes_down} B down, ttft {r.ttft_s * 1000:.0f} ms")
+    if r.speculations:
+        line += (f", pipelined {r.speculation_hits}/{r.speculations} rounds "
+                 f"({1000 * r.hidden_draft_s:.0f} ms drafting hidden)")
+    if r.reconnects or r.offline_tokens:
+        line += (f", {r.reconnects} reconnects, {r.outage_s:.1f} s offline, "
+                 f"{r.offline_tokens} offline tokens ({r.corrected_tokens} corrected)")
+    if r.unverified_ids:
+        line += f", {len(r.unverified_ids)} tokens UNVERIFIED (server never returned)"
+    return line + f", {r.finish_reason.name.lower()}]"
 
 
 async def ask(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
@@ -107,15 +130,12 @@ async def ask(args: argparse.Namespace, options: ClientOptions, address: str) ->
             request = options.open_request(prompt_ids=client.encode(args.prompt))
         else:
             request = options.open_request(chat=(ChatMessage("user", args.prompt),))
-        result = await client.generate(request, on_text=print_live)
+        view = TerminalView(client.tokenizer, sys.stdout, sys.stderr)
+        result = await client.generate(request, view)
+        view.kept_unverified(result.unverified_ids)
     print(flush=True)
     print(stats_line(result), file=sys.stderr)
     return 0
-
-
-def print_live(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 async def batch(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
@@ -131,8 +151,14 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
     except ValueError as err:
         raise BadInput(str(err)) from None
     acceptance = None if args.acceptance is None else AcceptanceMode(args.acceptance)
+    if not args.reconnect_timeout >= 0:
+        raise BadInput(f"--reconnect-timeout must be >= 0, got {args.reconnect_timeout}")
+    policy = LinkPolicy(offline=OfflinePolicy(args.offline_policy),
+                        offline_limit=args.offline_limit,
+                        reconnect_timeout_s=args.reconnect_timeout,
+                        pipeline=not args.no_pipeline)
     return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance,
-                         tuple(args.stop))
+                         tuple(args.stop), policy)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,15 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Sequence
 
 from tokenizers import Tokenizer
 
 from edge_client.budget import TreeBudget
 from edge_client.drafters import make_drafter
-from edge_client.generate import GenerationResult, split_generate
+from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
-from edge_client.tokenizer import TextStream, load_tokenizer
+from edge_client.offline import LinkPolicy
+from edge_client.tokenizer import load_tokenizer
 from shared.acceptance import AcceptanceMode
 from shared.messages import PROTOCOL_VERSION, ChatMessage, OpenRequest, ServerInfo
 from shared.sampling import SamplingParams
@@ -26,6 +27,7 @@ class ClientOptions:
     sampling: SamplingParams = SamplingParams()
     acceptance: AcceptanceMode | None = None  # None: the server's choice
     stop_strings: tuple[str, ...] = ()
+    link_policy: LinkPolicy = LinkPolicy()
 
     def open_request(self, prompt_ids: Sequence[int] | None = None,
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
@@ -58,16 +60,12 @@ class EdgeClient:
                           fixed=self.options.tree_nodes)
 
     async def generate(self, request: OpenRequest,
-                       on_text: Callable[[str], None] | None = None) -> GenerationResult:
-        text = TextStream(self.tokenizer)
-
-        def on_tokens(ids: list[int]) -> None:
-            piece = text.push(ids)
-            if piece and on_text is not None:
-                on_text(piece)
-
-        drafter = make_drafter(self.options.drafter, depth_limit=self.info.limits.max_tree_depth)
-        return await split_generate(self.link, drafter, request, self.budget(), on_tokens)
+                       listener: Listener | None = None) -> GenerationResult:
+        limits = self.info.limits
+        drafter = make_drafter(self.options.drafter, depth_limit=limits.max_tree_depth)
+        return await split_generate(self.link, drafter, request, self.budget(), listener,
+                                    self.options.link_policy,
+                                    max_chain=min(limits.max_tree_nodes, limits.max_tree_depth))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

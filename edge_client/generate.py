@@ -1,27 +1,33 @@
-"""The edge's round loop: draft a tree, send it, commit what the server verified, repeat.
+"""The edge's generation loop: draft a tree, send it, commit what the server verified, repeat;
+ride out a broken link by drafting offline, then resume and let the server judge that text.
 
-Knows the drafter and the link, not the CLI. The server is the authority on what is committed;
-the edge only ever appends the tokens a Verdict carries.
+Knows the drafter and the link, not the CLI. The server is the authority on what is committed:
+the edge only ever appends the tokens a Verdict carries, and offline tokens stay apart until a
+Verdict confirms them (DESIGN section 5).
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol, Sequence
 
 from edge_client.budget import TreeBudget
 from edge_client.drafters.base import Drafter
-from edge_client.link import DecodeStream, LinkError, ServerLink
-from shared.messages import Done, DraftRequest, FinishReason, OpenRequest, Opened, Verdict
+from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
+from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
+from edge_client.pipeline import Speculation
+from shared.messages import (
+    Done, DraftRequest, FinishReason, OpenRequest, Opened, Resume, Verdict,
+)
 from shared.tree import DraftTree
-
-OnTokens = Callable[[list[int]], None]
 
 
 @dataclass
 class GenerationResult:
-    prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # committed: verified by the target
     rounds: int = 0  # draft rounds; the prefill is not one
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -31,6 +37,16 @@ class GenerationResult:
     bytes_down: int = 0
     verify_s: float = 0.0  # the server's own time verifying, as its Verdicts report
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
+    draft_s: float = 0.0  # drafting the edge waited for
+    hidden_draft_s: float = 0.0  # drafting done while a round was in flight, and used
+    speculations: int = 0
+    speculation_hits: int = 0
+    reconnects: int = 0
+    rebuilt_sessions: int = 0  # resumes the server answered from history (it lost the session)
+    outage_s: float = 0.0  # time without a working link
+    offline_tokens: int = 0  # drafted while the link was down
+    corrected_tokens: int = 0  # offline tokens the target disagreed with, rewound
+    unverified_ids: list[int] = field(default_factory=list)  # kept unverified (policy keep)
 
     @property
     def tau(self) -> float:
@@ -39,11 +55,35 @@ class GenerationResult:
 
     @property
     def server_calls(self) -> int:
-        return self.rounds + 1
+        return self.rounds + 1 + self.reconnects
 
     @property
     def tokens_per_s(self) -> float:
         return len(self.output_ids) / self.wall_s if self.wall_s else 0.0
+
+
+class Listener(Protocol):
+    """What a front end sees of a generation as it happens."""
+
+    def committed(self, ids: list[int]) -> None: ...
+
+    def unverified(self, ids: list[int]) -> None:
+        """Offline drafts, to be shown apart from committed text."""
+
+    def withdraw(self) -> None:
+        """The unverified text shown so far is void; committed() follows with the truth."""
+
+    def link_event(self, text: str) -> None: ...
+
+
+class SilentListener:
+    def committed(self, ids: list[int]) -> None: ...
+
+    def unverified(self, ids: list[int]) -> None: ...
+
+    def withdraw(self) -> None: ...
+
+    def link_event(self, text: str) -> None: ...
 
 
 def fallback_tree(context: Sequence[int]) -> DraftTree:
@@ -52,57 +92,201 @@ def fallback_tree(context: Sequence[int]) -> DraftTree:
     return DraftTree.chain([context[-1]])
 
 
-async def _expect(stream: DecodeStream, kind: type):
-    msg = await stream.recv()
+async def _expect(stream: DecodeStream, kind: type, timeout_s: float | None = None):
+    msg = await stream.recv(timeout_s)
     if not isinstance(msg, kind):
         raise LinkError(f"protocol error: expected {kind.__name__}, got {type(msg).__name__}")
     return msg
 
 
-async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
-                         budget: TreeBudget, on_tokens: OnTokens | None = None
-                         ) -> GenerationResult:
-    """Runs one generation to its end; `on_tokens` sees each batch of committed ids."""
-    start = time.perf_counter()
-    stream = link.decode()
-    try:
-        await stream.send(request)
-        opened: Opened = await _expect(stream, Opened)
-        result = GenerationResult(prompt_ids=list(opened.prompt_ids))
-        context = list(opened.prompt_ids)
-        drafter.reset(context)
+@dataclass
+class _Outage:
+    since: float
+    backoff: Backoff
+
+
+class SplitGeneration:
+    """One generation, across as many Decode streams as the link needs."""
+
+    def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
+                 budget: TreeBudget, listener: Listener | None = None,
+                 policy: LinkPolicy = LinkPolicy(), max_chain: int = 32):
+        self.link, self.drafter, self.request, self.budget = link, drafter, request, budget
+        self.listener = listener or SilentListener()
+        self.policy = policy
+        self.max_chain = max_chain  # offline tokens verified per round (server's depth limit)
+        self.result = GenerationResult()
+        self.opened: Opened | None = None
+        self.context: list[int] = []  # prompt + committed tokens
+        self.offline: list[int] = []  # unverified tokens continuing the context
+        self.finish = FinishReason.NOT_FINISHED
+        self._next_round = 1
+        self._ready_tree: DraftTree | None = None  # from a speculation that came true
+        self._outage: _Outage | None = None
+
+    async def run(self) -> GenerationResult:
+        start = time.perf_counter()
+        while self.finish is FinishReason.NOT_FINISHED:
+            try:
+                await self._stream(start)
+            except ServerUnreachable as err:
+                if not await self._ride_out(err):
+                    break
+        self.result.finish_reason = self.finish
+        self.result.wall_s = time.perf_counter() - start
+        return self.result
+
+    async def _stream(self, start: float) -> None:
+        stream = self.link.decode()
+        try:
+            await self._open(stream, start)
+            while self.finish is FinishReason.NOT_FINISHED:
+                await self._round(stream)
+            await _expect(stream, Done)
+            with contextlib.suppress(LinkError):  # the answer is complete; a late drop is moot
+                await stream.finish()
+        finally:
+            stream.cancel()
+            self.result.bytes_up += stream.bytes_up
+            self.result.bytes_down += stream.bytes_down
+
+    def _open_request(self) -> OpenRequest:
+        if self.opened is None:
+            return self.request
+        o = self.opened
+        return replace(self.request, prompt_ids=o.prompt_ids, chat=None, acceptance=o.acceptance,
+                       sampling=replace(self.request.sampling, seed=o.seed),
+                       resume=Resume(o.session_id, tuple(self.context[len(o.prompt_ids):])))
+
+    async def _open(self, stream: DecodeStream, start: float) -> None:
+        resuming = self.opened is not None
+        timeout_s = self.link.config.resume_timeout_s if self._outage else None
+        await stream.send(self._open_request())
+        opened: Opened = await _expect(stream, Opened, timeout_s)
+        verdict: Verdict = await _expect(stream, Verdict, timeout_s)
+        if self._outage is not None:
+            self._link_back(opened, resuming)
+        if resuming:
+            self.result.reconnects += 1
+            self.result.rebuilt_sessions += not opened.resumed
+            self._ready_tree = None
+            if self.offline:
+                self.listener.withdraw()
+        else:
+            self.opened = opened
+            self.context = list(opened.prompt_ids)
+            self.result.prompt_ids = list(opened.prompt_ids)
+            self.drafter.reset(self.context)
+            self.result.ttft_s = time.perf_counter() - start
+        self._commit(verdict)
+
+    def _link_back(self, opened: Opened, resuming: bool) -> None:
+        lost_s = time.monotonic() - self._outage.since
+        self.result.outage_s += lost_s
+        how = ("session resumed" if opened.resumed else
+               "session rebuilt from history" if resuming else "generation restarted")
+        self.listener.link_event(f"link back after {lost_s:.1f} s, {how}")
+        self._outage = None
+
+    async def _round(self, stream: DecodeStream) -> None:
+        tree, checking_offline = self._next_tree()
+        sent = time.perf_counter()
+        await stream.send(DraftRequest(self._next_round, len(self.context), tree))
+        speculation = None
+        if self.policy.pipeline and not checking_offline:
+            speculation = Speculation.draft(self.drafter, self.context, tree, self.budget.nodes())
         verdict: Verdict = await _expect(stream, Verdict)
-        result.ttft_s = time.perf_counter() - start
-        _commit(result, context, verdict, on_tokens)
-        while verdict.finish_reason is FinishReason.NOT_FINISHED:
-            tree = drafter.propose(context, budget.nodes()) or fallback_tree(context)
-            sent = time.perf_counter()
-            await stream.send(DraftRequest(result.rounds + 1, len(context), tree))
-            verdict = await _expect(stream, Verdict)
-            budget.observe(len(tree), verdict.accepted_nodes,
-                           1000 * (time.perf_counter() - sent), verdict.verify_ms)
-            drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
-            result.rounds += 1
-            result.drafted_tokens += len(tree)
-            result.accepted_tokens += len(verdict.accepted_nodes)
-            _commit(result, context, verdict, on_tokens)
-        await _expect(stream, Done)
-        await stream.finish()
-    finally:
-        stream.cancel()
-    result.bytes_up, result.bytes_down = stream.bytes_up, stream.bytes_down
-    result.finish_reason = verdict.finish_reason
-    result.wall_s = time.perf_counter() - start
-    return result
+        if not checking_offline:
+            self.budget.observe(len(tree), verdict.accepted_nodes,
+                                1000 * (time.perf_counter() - sent), verdict.verify_ms)
+        self.drafter.observe(self.context, tree, verdict.accepted_nodes, verdict.tokens)
+        self.result.rounds += 1
+        self.result.drafted_tokens += len(tree)
+        self.result.accepted_tokens += len(verdict.accepted_nodes)
+        self._commit(verdict)
+        self._take_speculation(speculation, verdict)
+
+    def _next_tree(self) -> tuple[DraftTree, bool]:
+        """The tree to send, and whether it is offline text being checked."""
+        if self.offline:
+            return DraftTree.chain(self.offline[: self.max_chain]), True
+        tree, self._ready_tree = self._ready_tree, None
+        if tree is None:
+            start = time.perf_counter()
+            tree = self.drafter.propose(self.context, self.budget.nodes())
+            self.result.draft_s += time.perf_counter() - start
+        return (tree or fallback_tree(self.context)), False
+
+    def _take_speculation(self, speculation: Speculation | None, verdict: Verdict) -> None:
+        if speculation is None:
+            return
+        self.result.speculations += 1
+        self._ready_tree = speculation.next_tree(verdict.tokens)
+        if self._ready_tree is not None:
+            self.result.speculation_hits += 1
+            self.result.hidden_draft_s += speculation.spent_s
+
+    def _commit(self, verdict: Verdict) -> None:
+        if verdict.committed_length != len(self.context) + len(verdict.tokens):
+            raise LinkError(f"protocol error: server holds {verdict.committed_length} tokens, "
+                            f"the edge {len(self.context) + len(verdict.tokens)}")
+        tokens = list(verdict.tokens)
+        self.context.extend(tokens)
+        self.result.output_ids.extend(tokens)
+        self.result.verify_s += verdict.verify_ms / 1000
+        self.offline, rewound = reconcile(self.offline, tokens)
+        self.result.corrected_tokens += rewound
+        self.finish = verdict.finish_reason
+        self._next_round = verdict.round_id + 1
+        if tokens:
+            self.listener.committed(tokens)
+
+    async def _ride_out(self, err: ServerUnreachable) -> bool:
+        """Waits out a broken link, drafting offline as the policy allows. True: try the server
+        again; False: it never came back and the policy keeps the unverified text."""
+        if self.policy.reconnect_timeout_s <= 0:
+            raise err
+        now = time.monotonic()
+        if self._outage is None:
+            self._outage = _Outage(now, Backoff(self.policy))
+            self.listener.link_event(f"link lost: {err}")
+        elif now - self._outage.since > self.policy.reconnect_timeout_s:
+            return self._give_up(err)
+        self._draft_offline()
+        await asyncio.sleep(self._outage.backoff.next_wait_s())
+        return True
+
+    def _give_up(self, err: ServerUnreachable) -> bool:
+        waited = f"no server for {self.policy.reconnect_timeout_s:g} s"
+        if self.policy.offline is OfflinePolicy.KEEP and self.offline:
+            self.result.unverified_ids = list(self.offline)
+            self.result.outage_s += time.monotonic() - self._outage.since
+            self.listener.link_event(f"{waited}: keeping {len(self.offline)} unverified tokens")
+            return False
+        raise ServerUnreachable(f"{err}; gave up after {waited}") from None
+
+    def _draft_offline(self) -> None:
+        if self.opened is None or self.policy.offline is OfflinePolicy.WAIT:
+            return
+        room = self.policy.offline_limit - len(self.offline)
+        if self.request.max_new_tokens:
+            generated = len(self.context) - len(self.opened.prompt_ids)
+            room = min(room, self.request.max_new_tokens - generated - len(self.offline))
+        if room <= 0:
+            return
+        start = time.perf_counter()
+        new = draft_offline(self.drafter, [*self.context, *self.offline], room)
+        self.result.draft_s += time.perf_counter() - start
+        self.offline += new
+        self.result.offline_tokens += len(new)
+        if new:
+            self.listener.unverified(new)
 
 
-def _commit(result: GenerationResult, context: list[int], verdict: Verdict,
-            on_tokens: OnTokens | None) -> None:
-    if verdict.committed_length != len(context) + len(verdict.tokens):
-        raise LinkError(f"protocol error: server holds {verdict.committed_length} tokens, "
-                        f"the edge {len(context) + len(verdict.tokens)}")
-    context.extend(verdict.tokens)
-    result.output_ids.extend(verdict.tokens)
-    result.verify_s += verdict.verify_ms / 1000
-    if on_tokens is not None:
-        on_tokens(list(verdict.tokens))
+async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
+                         budget: TreeBudget, listener: Listener | None = None,
+                         policy: LinkPolicy = LinkPolicy(), max_chain: int = 32
+                         ) -> GenerationResult:
+    """Runs one generation to its end (see SplitGeneration)."""
+    return await SplitGeneration(link, drafter, request, budget, listener, policy,
+                                 max_chain).run()

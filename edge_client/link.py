@@ -29,6 +29,9 @@ class ServerUnreachable(LinkError):
 @dataclass(frozen=True)
 class LinkConfig:
     connect_timeout_s: float = 5.0
+    # How long a resume waits for the server's answer: a link that is still black-holed shows
+    # here, and the client goes back to waiting offline.
+    resume_timeout_s: float = 3.0
     # One round includes the server's queue and forward pass; the prefill of a long prompt on
     # a CPU server is the slowest.
     round_timeout_s: float = 60.0
@@ -51,17 +54,31 @@ def channel_options(config: LinkConfig) -> list[tuple[str, int]]:
         ("grpc.http2.ping_timeout_ms", 1000),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # After a drop, the channel redials quickly instead of grpc's default 1 s to 120 s
+        # backoff; the client's own reconnect loop (offline.py) paces the attempts.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
 
 
-def link_error(err: grpc.aio.AioRpcError, address: str) -> LinkError:
-    code, details = err.code(), (err.details() or "").splitlines()[0:1]
-    text = details[0] if details else code.name
-    if code == grpc.StatusCode.UNAVAILABLE:
+# Codes that say the link or the server went away, not that the server refused the request:
+# the client may reconnect and resume after these.
+TRANSIENT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def status_error(code: grpc.StatusCode, details: str | None, address: str) -> LinkError:
+    lines = (details or "").splitlines()
+    text = lines[0] if lines else code.name
+    if code in TRANSIENT_CODES:
         return ServerUnreachable(f"cannot reach the server at {address} ({text})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ServerUnreachable(f"the server at {address} did not answer in time")
     return LinkError(f"the server at {address} refused: {code.name.lower()}: {text}")
+
+
+def link_error(err: grpc.aio.AioRpcError, address: str) -> LinkError:
+    return status_error(err.code(), err.details(), address)
 
 
 class ServerLink:
@@ -118,31 +135,38 @@ class DecodeStream:
         self.bytes_up += raw.ByteSize() + GRPC_FRAME_BYTES
         try:
             await self._call.write(raw)
-        except grpc.aio.AioRpcError as err:
-            raise link_error(err, self._address) from None
-        except asyncio.InvalidStateError:
-            raise LinkError(await self._ended()) from None
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            raise await self._write_failed() from None
 
-    async def recv(self) -> ServerMessage:
+    async def recv(self, timeout_s: float | None = None) -> ServerMessage:
+        """The next message, within `timeout_s` (default: the round timeout)."""
+        timeout_s = timeout_s or self._round_timeout_s
         try:
-            raw = await asyncio.wait_for(self._call.read(), self._round_timeout_s)
+            raw = await asyncio.wait_for(self._call.read(), timeout_s)
         except asyncio.TimeoutError:
             self._call.cancel()
             raise ServerUnreachable(f"the server at {self._address} did not answer within "
-                            f"{self._round_timeout_s:g} s") from None
+                                    f"{timeout_s:g} s") from None
         except grpc.aio.AioRpcError as err:
             raise link_error(err, self._address) from None
         if raw is grpc.aio.EOF:
-            raise LinkError(await self._ended())
+            raise await self._ended()
         self.bytes_down += raw.ByteSize() + GRPC_FRAME_BYTES
         return wire.server_from_proto(raw)
 
-    async def _ended(self) -> str:
+    async def _write_failed(self) -> LinkError:
+        """A refusal when the server ended the call; otherwise the transport failed under the
+        write, which grpc reports as INTERNAL "Internal error from Core"."""
+        error = await self._ended()
+        if await self._call.code() == grpc.StatusCode.INTERNAL:
+            return ServerUnreachable(f"the link to the server at {self._address} broke")
+        return error
+
+    async def _ended(self) -> LinkError:
         code = await self._call.code()
         if code == grpc.StatusCode.OK:
-            return f"the server at {self._address} ended the generation early"
-        details = (await self._call.details() or code.name).splitlines()[0]
-        return f"the server at {self._address} ended the generation: {code.name.lower()}: {details}"
+            return LinkError(f"the server at {self._address} ended the generation early")
+        return status_error(code, await self._call.details(), self._address)
 
     async def finish(self) -> None:
         """Half-closes after Done and waits for the server to end the call."""

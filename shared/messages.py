@@ -64,9 +64,18 @@ class ChatMessage:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """The edge's committed history when it continues a generation on a new stream."""
+
+    session_id: str
+    generated_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class OpenRequest:
     """Exactly one of `prompt_ids` (used as given) and `chat` (templated by the server).
-    `acceptance` None lets the server choose: greedy when not sampling."""
+    `acceptance` None lets the server choose: greedy when not sampling. With `resume`, the
+    prompt, seed and acceptance must be those Opened answered the first time."""
 
     prompt_ids: tuple[int, ...] | None = None
     chat: tuple[ChatMessage, ...] | None = None
@@ -75,6 +84,16 @@ class OpenRequest:
     acceptance: AcceptanceMode | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    resume: Resume | None = None
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A server-only generation (the baselines): `drafter` None decodes token by token."""
+
+    open: OpenRequest
+    drafter: str | None = None
+    tree_nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +114,7 @@ class Opened:
     prompt_ids: tuple[int, ...]
     acceptance: AcceptanceMode = AcceptanceMode.GREEDY
     seed: int = 0
+    resumed: bool = False  # the session outlived a broken stream and continues in place
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ port bound, so connecting during the outage is refused and the same port accepts
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import heapq
 import logging
@@ -616,6 +617,14 @@ class NetSimProxy:
             await asyncio.sleep(self._started_at + outage.end_s - loop.time())
             self._end_outage()
 
+    async def outage_now(self, duration_s: float) -> None:
+        """An unscheduled outage from now for `duration_s`, in the conditions' mode: for tests
+        that script an outage at a chosen moment of a generation."""
+        outage = Outage(asyncio.get_running_loop().time() - self._started_at, duration_s)
+        await self._begin_outage(outage)
+        await asyncio.sleep(duration_s)
+        self._end_outage()
+
     async def _begin_outage(self, outage: Outage) -> None:
         self._outages += 1
         self._gate.close()
@@ -664,6 +673,10 @@ class ProxyThread:
 
     def stats(self) -> ProxyStats:
         return self.proxy.stats()
+
+    def start_outage(self, duration_s: float) -> concurrent.futures.Future:
+        """Begins an outage now without waiting for its end; the future resolves at the end."""
+        return asyncio.run_coroutine_threadsafe(self.proxy.outage_now(duration_s), self._loop)
 
     def __enter__(self) -> ProxyThread:
         self._thread.start()

@@ -58,6 +58,27 @@ class DraftTree:
             node = self.parents[node]
         return path[::-1]
 
+    def best_path(self) -> list[int]:
+        """Tokens of the path a best-first drafter rates highest: the first root, then each
+        node's first child (drafters emit nodes best first)."""
+        path, node = [], ROOT
+        while (kids := self.children(node)):
+            node = kids[0]
+            path.append(self.tokens[node])
+        return path
+
+    def subtree(self, node: int) -> "DraftTree":
+        """The descendants of `node`, re-rooted so its children become the first level; node
+        order (and so best-first order) is kept."""
+        index = {node: ROOT}
+        tokens, parents = [], []
+        for i in range(node + 1, len(self)):
+            if self.parents[i] in index:
+                index[i] = len(tokens)
+                tokens.append(self.tokens[i])
+                parents.append(index[self.parents[i]])
+        return DraftTree(tuple(tokens), tuple(parents))
+
     def validate(self, vocab_size: int, max_nodes: int, max_depth: int) -> None:
         """Raises InvalidRequest with a message naming the first problem found."""
         n = len(self.tokens)

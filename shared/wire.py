@@ -5,7 +5,8 @@ from shared.acceptance import AcceptanceMode
 from shared.errors import InvalidRequest
 from shared.messages import (
     ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage, CloseRequest, Done, DraftRequest,
-    FinishReason, Limits, OpenRequest, Opened, ServerInfo, ServerMessage, Verdict,
+    FinishReason, GenerateRequest, Limits, OpenRequest, Opened, Resume, ServerInfo, ServerMessage,
+    Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.sampling import SamplingParams
@@ -46,18 +47,36 @@ def info_from_proto(msg: pb.InfoResponse) -> ServerInfo:
     )
 
 
+def _open_to_proto(msg: OpenRequest) -> pb.Open:
+    open_msg = pb.Open(max_new_tokens=msg.max_new_tokens,
+                       sampling=_sampling_to_proto(msg.sampling),
+                       acceptance=_mode_to_proto(msg.acceptance),
+                       stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings)
+    if msg.chat is not None:
+        open_msg.chat.messages.extend(
+            pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
+    else:
+        open_msg.input_ids.ids.extend(msg.prompt_ids or ())
+    if msg.resume is not None:
+        open_msg.resume.CopyFrom(pb.Resume(session_id=msg.resume.session_id,
+                                           generated_ids=msg.resume.generated_ids))
+    return open_msg
+
+
+def generate_to_proto(msg: GenerateRequest) -> pb.GenerateRequest:
+    return pb.GenerateRequest(open=_open_to_proto(msg.open), drafter=msg.drafter or "",
+                              tree_nodes=msg.tree_nodes)
+
+
+def generate_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
+    if not msg.HasField("open"):
+        raise InvalidRequest("generate request has no open")
+    return GenerateRequest(_open_from_proto(msg.open), msg.drafter or None, msg.tree_nodes)
+
+
 def client_to_proto(msg: ClientMessage) -> pb.ClientMessage:
     if isinstance(msg, OpenRequest):
-        open_msg = pb.Open(max_new_tokens=msg.max_new_tokens,
-                           sampling=_sampling_to_proto(msg.sampling),
-                           acceptance=_mode_to_proto(msg.acceptance),
-                           stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings)
-        if msg.chat is not None:
-            open_msg.chat.messages.extend(
-                pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
-        else:
-            open_msg.input_ids.ids.extend(msg.prompt_ids or ())
-        return pb.ClientMessage(open=open_msg)
+        return pb.ClientMessage(open=_open_to_proto(msg))
     if isinstance(msg, DraftRequest):
         return pb.ClientMessage(draft=pb.Draft(
             round_id=msg.round_id, base_length=msg.base_length,
@@ -80,7 +99,9 @@ def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
 def _open_from_proto(msg: pb.Open) -> OpenRequest:
     common = dict(max_new_tokens=msg.max_new_tokens, sampling=_sampling_from_proto(msg.sampling),
                   acceptance=_mode_from_proto(msg.acceptance),
-                  stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings))
+                  stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
+                  resume=(Resume(msg.resume.session_id, tuple(msg.resume.generated_ids))
+                          if msg.HasField("resume") else None))
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
@@ -118,7 +139,8 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
     if isinstance(msg, Opened):
         return pb.ServerMessage(opened=pb.Opened(
             session_id=msg.session_id, prompt_ids=msg.prompt_ids,
-            acceptance=_mode_to_proto(msg.acceptance), seed=msg.seed))
+            acceptance=_mode_to_proto(msg.acceptance), seed=msg.seed,
+            resumed=msg.resumed))
     if isinstance(msg, Verdict):
         return pb.ServerMessage(verdict=pb.Verdict(
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
@@ -133,7 +155,8 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     kind = msg.WhichOneof("kind")
     if kind == "opened":
         o = msg.opened
-        return Opened(o.session_id, tuple(o.prompt_ids), _mode_from_proto(o.acceptance), o.seed)
+        return Opened(o.session_id, tuple(o.prompt_ids), _mode_from_proto(o.acceptance), o.seed,
+                      o.resumed)
     if kind == "verdict":
         v = msg.verdict
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,

@@ -12,8 +12,9 @@ from shared.messages import Limits
 class ServerThread:
     """The server on its own event loop in a daemon thread; `address` is HOST:PORT."""
 
-    def __init__(self, target: TargetModel, limits: Limits = Limits()):
+    def __init__(self, target: TargetModel, limits: Limits = Limits(), port: int = 0):
         self.service = build_service(target, limits)
+        self._port = port
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -21,7 +22,7 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server, port, _ = self._loop.run_until_complete(start(self.service, "127.0.0.1", 0))
+        server, port, _ = self._loop.run_until_complete(start(self.service, "127.0.0.1", self._port))
         self._server = server
         self.address = f"127.0.0.1:{port}"
         self._ready.set()

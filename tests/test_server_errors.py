@@ -85,7 +85,7 @@ def test_bad_input_is_refused_and_server_keeps_serving(tiny_server, case):
     responses, err = run_stream(tiny_server.address, [open_msg(), draft_msg(), CLOSE])
     assert err is None
     assert [r.WhichOneof("kind") for r in responses] == ["opened", "verdict", "verdict", "done"]
-    assert tiny_server.service.sessions == {}
+    assert len(tiny_server.service.sessions) == 0
 
 
 def test_session_limit_answers_resource_exhausted(tiny_server):
@@ -106,7 +106,7 @@ def test_session_limit_answers_resource_exhausted(tiny_server):
             feed.put(CLOSE)
             feed.put(None)
             list(call)
-    assert tiny_server.service.sessions == {}
+    assert len(tiny_server.service.sessions) == 0
 
 
 def test_unknown_artifact_is_not_found(tiny_server):
@@ -142,4 +142,4 @@ def test_idle_session_is_closed(tiny_target):
         assert kinds == ["opened", "verdict"]
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "idle" in err.value.details()
-        assert server.service.sessions == {}
+        assert len(server.service.sessions) == 0

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$shared/pb/splitdec/v1/splitdec.proto\x12\x0bsplitdec.v1\"\r\n\x0bInfoRequest\"\xbc\x01\n\x06Limits\x12\x16\n\x0emax_tree_nodes\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\r\x12\x1e\n\x16session_idle_timeout_s\x18\x07 \x01(\r\"e\n\x08\x41rtifact\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x04kind\x18\x02 \x01(\x0e\x32\x19.splitdec.v1.ArtifactKind\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"\'\n\nVerifyCost\x12\r\n\x05nodes\x18\x01 \x01(\r\x12\n\n\x02ms\x18\x02 \x01(\x02\"\xfe\x01\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12#\n\x06limits\x18\x06 \x01(\x0b\x32\x13.splitdec.v1.Limits\x12(\n\tartifacts\x18\x07 \x03(\x0b\x32\x15.splitdec.v1.Artifact\x12-\n\x0cverify_costs\x18\x08 \x03(\x0b\x32\x17.splitdec.v1.VerifyCost\"$\n\x14\x46\x65tchArtifactRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Q\n\rArtifactChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\nChatPrompt\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.splitdec.v1.ChatMessage\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x85\x02\n\x04Open\x12*\n\tinput_ids\x18\x01 \x01(\x0b\x32\x15.splitdec.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.splitdec.v1.ChatPromptH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.splitdec.v1.Sampling\x12/\n\nacceptance\x18\x05 \x01(\x0e\x32\x1b.splitdec.v1.AcceptanceMode\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\tB\x08\n\x06prompt\"O\n\x05\x44raft\x12\x10\n\x08round_id\x18\x01 \x01(\r\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x05\"\x07\n\x05\x43lose\"\x84\x01\n\rClientMessage\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.splitdec.v1.OpenH\x00\x12#\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x12.splitdec.v1.DraftH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.splitdec.v1.CloseH\x00\x42\x06\n\x04kind\"o\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12/\n\nacceptance\x18\x03 \x01(\x0e\x32\x1b.splitdec.v1.AcceptanceMode\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"4\n\rServerTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x11\n\tverify_ms\x18\x02 \x01(\x02\"\xbc\x01\n\x07Verdict\x12\x10\n\x08round_id\x18\x01 \x01(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.splitdec.v1.FinishReason\x12+\n\x07timings\x18\x06 \x01(\x0b\x32\x1a.splitdec.v1.ServerTimings\"b\n\x04\x44one\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.splitdec.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\"\x8a\x01\n\rServerMessage\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.splitdec.v1.OpenedH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.splitdec.v1.VerdictH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.splitdec.v1.DoneH\x00\x42\x06\n\x04kind*J\n\x0c\x41rtifactKind\x12\x1d\n\x19\x41RTIFACT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41RTIFACT_KIND_TOKENIZER\x10\x01*\xb8\x01\n\x0e\x41\x63\x63\x65ptanceMode\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x43\x43\x45PTANCE_MODE_GREEDY\x10\x01\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_MODE_TOPK_DRAFTS\x10\x02\x12\"\n\x1e\x41\x43\x43\x45PTANCE_MODE_SAMPLED_DRAFTS\x10\x03\x12$\n ACCEPTANCE_MODE_EXPONENTIAL_RACE\x10\x04*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x32\xe4\x01\n\rSplitDecoding\x12;\n\x04Info\x12\x18.splitdec.v1.InfoRequest\x1a\x19.splitdec.v1.InfoResponse\x12P\n\rFetchArtifact\x12!.splitdec.v1.FetchArtifactRequest\x1a\x1a.splitdec.v1.ArtifactChunk0\x01\x12\x44\n\x06\x44\x65\x63ode\x12\x1a.splitdec.v1.ClientMessage\x1a\x1a.splitdec.v1.ServerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$shared/pb/splitdec/v1/splitdec.proto\x12\x0bsplitdec.v1\"\r\n\x0bInfoRequest\"\xbc\x01\n\x06Limits\x12\x16\n\x0emax_tree_nodes\x18\x01 \x01(\r\x12\x16\n\x0emax_tree_depth\x18\x02 \x01(\r\x12\x19\n\x11max_prompt_tokens\x18\x03 \x01(\r\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x05 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\r\x12\x1e\n\x16session_idle_timeout_s\x18\x07 \x01(\r\"e\n\x08\x41rtifact\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\'\n\x04kind\x18\x02 \x01(\x0e\x32\x19.splitdec.v1.ArtifactKind\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"\'\n\nVerifyCost\x12\r\n\x05nodes\x18\x01 \x01(\r\x12\n\n\x02ms\x18\x02 \x01(\x02\"\xfe\x01\n\x0cInfoResponse\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x18\n\x10tokenizer_sha256\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12#\n\x06limits\x18\x06 \x01(\x0b\x32\x13.splitdec.v1.Limits\x12(\n\tartifacts\x18\x07 \x03(\x0b\x32\x15.splitdec.v1.Artifact\x12-\n\x0cverify_costs\x18\x08 \x03(\x0b\x32\x17.splitdec.v1.VerifyCost\"$\n\x14\x46\x65tchArtifactRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"Q\n\rArtifactChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x12\n\ntotal_size\x18\x03 \x01(\x04\x12\x0e\n\x06sha256\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"8\n\nChatPrompt\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.splitdec.v1.ChatMessage\"Y\n\x08Sampling\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\xaa\x02\n\x04Open\x12*\n\tinput_ids\x18\x01 \x01(\x0b\x32\x15.splitdec.v1.TokenIdsH\x00\x12\'\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x17.splitdec.v1.ChatPromptH\x00\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\'\n\x08sampling\x18\x04 \x01(\x0b\x32\x15.splitdec.v1.Sampling\x12/\n\nacceptance\x18\x05 \x01(\x0e\x32\x1b.splitdec.v1.AcceptanceMode\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x14\n\x0cstop_strings\x18\x07 \x03(\t\x12#\n\x06resume\x18\x08 \x01(\x0b\x32\x13.splitdec.v1.ResumeB\x08\n\x06prompt\"3\n\x06Resume\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x15\n\rgenerated_ids\x18\x02 \x03(\x05\"W\n\x0fGenerateRequest\x12\x1f\n\x04open\x18\x01 \x01(\x0b\x32\x11.splitdec.v1.Open\x12\x0f\n\x07\x64rafter\x18\x02 \x01(\t\x12\x12\n\ntree_nodes\x18\x03 \x01(\r\"O\n\x05\x44raft\x12\x10\n\x08round_id\x18\x01 \x01(\r\x12\x13\n\x0b\x62\x61se_length\x18\x02 \x01(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x0f\n\x07parents\x18\x04 \x03(\x05\"\x07\n\x05\x43lose\"\x84\x01\n\rClientMessage\x12!\n\x04open\x18\x01 \x01(\x0b\x32\x11.splitdec.v1.OpenH\x00\x12#\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x12.splitdec.v1.DraftH\x00\x12#\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x12.splitdec.v1.CloseH\x00\x42\x06\n\x04kind\"\x80\x01\n\x06Opened\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12/\n\nacceptance\x18\x03 \x01(\x0e\x32\x1b.splitdec.v1.AcceptanceMode\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x0f\n\x07resumed\x18\x05 \x01(\x08\"4\n\rServerTimings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x02\x12\x11\n\tverify_ms\x18\x02 \x01(\x02\"\xbc\x01\n\x07Verdict\x12\x10\n\x08round_id\x18\x01 \x01(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_nodes\x18\x02 \x03(\r\x12\x0e\n\x06tokens\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.splitdec.v1.FinishReason\x12+\n\x07timings\x18\x06 \x01(\x0b\x32\x1a.splitdec.v1.ServerTimings\"b\n\x04\x44one\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.splitdec.v1.FinishReason\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x0e\n\x06rounds\x18\x03 \x01(\r\"\x8a\x01\n\rServerMessage\x12%\n\x06opened\x18\x01 \x01(\x0b\x32\x13.splitdec.v1.OpenedH\x00\x12\'\n\x07verdict\x18\x02 \x01(\x0b\x32\x14.splitdec.v1.VerdictH\x00\x12!\n\x04\x64one\x18\x03 \x01(\x0b\x32\x11.splitdec.v1.DoneH\x00\x42\x06\n\x04kind*J\n\x0c\x41rtifactKind\x12\x1d\n\x19\x41RTIFACT_KIND_UNSPECIFIED\x10\x00\x12\x1b\n\x17\x41RTIFACT_KIND_TOKENIZER\x10\x01*\xb8\x01\n\x0e\x41\x63\x63\x65ptanceMode\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x41\x43\x43\x45PTANCE_MODE_GREEDY\x10\x01\x12\x1f\n\x1b\x41\x43\x43\x45PTANCE_MODE_TOPK_DRAFTS\x10\x02\x12\"\n\x1e\x41\x43\x43\x45PTANCE_MODE_SAMPLED_DRAFTS\x10\x03\x12$\n ACCEPTANCE_MODE_EXPONENTIAL_RACE\x10\x04*\x9f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x03\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x04\x32\xac\x02\n\rSplitDecoding\x12;\n\x04Info\x12\x18.splitdec.v1.InfoRequest\x1a\x19.splitdec.v1.InfoResponse\x12P\n\rFetchArtifact\x12!.splitdec.v1.FetchArtifactRequest\x1a\x1a.splitdec.v1.ArtifactChunk0\x01\x12\x44\n\x06\x44\x65\x63ode\x12\x1a.splitdec.v1.ClientMessage\x1a\x1a.splitdec.v1.ServerMessage(\x01\x30\x01\x12\x46\n\x08Generate\x12\x1c.splitdec.v1.GenerateRequest\x1a\x1a.splitdec.v1.ServerMessage0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.pb.splitdec.v1.splitdec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ARTIFACTKIND']._serialized_start=2089
-  _globals['_ARTIFACTKIND']._serialized_end=2163
-  _globals['_ACCEPTANCEMODE']._serialized_start=2166
-  _globals['_ACCEPTANCEMODE']._serialized_end=2350
-  _globals['_FINISHREASON']._serialized_start=2353
-  _globals['_FINISHREASON']._serialized_end=2512
+  _globals['_ARTIFACTKIND']._serialized_start=2286
+  _globals['_ARTIFACTKIND']._serialized_end=2360
+  _globals['_ACCEPTANCEMODE']._serialized_start=2363
+  _globals['_ACCEPTANCEMODE']._serialized_end=2547
+  _globals['_FINISHREASON']._serialized_start=2550
+  _globals['_FINISHREASON']._serialized_end=2709
   _globals['_INFOREQUEST']._serialized_start=53
   _globals['_INFOREQUEST']._serialized_end=66
   _globals['_LIMITS']._serialized_start=69
@@ -60,23 +60,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLING']._serialized_start=910
   _globals['_SAMPLING']._serialized_end=999
   _globals['_OPEN']._serialized_start=1002
-  _globals['_OPEN']._serialized_end=1263
-  _globals['_DRAFT']._serialized_start=1265
-  _globals['_DRAFT']._serialized_end=1344
-  _globals['_CLOSE']._serialized_start=1346
-  _globals['_CLOSE']._serialized_end=1353
-  _globals['_CLIENTMESSAGE']._serialized_start=1356
-  _globals['_CLIENTMESSAGE']._serialized_end=1488
-  _globals['_OPENED']._serialized_start=1490
-  _globals['_OPENED']._serialized_end=1601
-  _globals['_SERVERTIMINGS']._serialized_start=1603
-  _globals['_SERVERTIMINGS']._serialized_end=1655
-  _globals['_VERDICT']._serialized_start=1658
-  _globals['_VERDICT']._serialized_end=1846
-  _globals['_DONE']._serialized_start=1848
-  _globals['_DONE']._serialized_end=1946
-  _globals['_SERVERMESSAGE']._serialized_start=1949
-  _globals['_SERVERMESSAGE']._serialized_end=2087
-  _globals['_SPLITDECODING']._serialized_start=2515
-  _globals['_SPLITDECODING']._serialized_end=2743
+  _globals['_OPEN']._serialized_end=1300
+  _globals['_RESUME']._serialized_start=1302
+  _globals['_RESUME']._serialized_end=1353
+  _globals['_GENERATEREQUEST']._serialized_start=1355
+  _globals['_GENERATEREQUEST']._serialized_end=1442
+  _globals['_DRAFT']._serialized_start=1444
+  _globals['_DRAFT']._serialized_end=1523
+  _globals['_CLOSE']._serialized_start=1525
+  _globals['_CLOSE']._serialized_end=1532
+  _globals['_CLIENTMESSAGE']._serialized_start=1535
+  _globals['_CLIENTMESSAGE']._serialized_end=1667
+  _globals['_OPENED']._serialized_start=1670
+  _globals['_OPENED']._serialized_end=1798
+  _globals['_SERVERTIMINGS']._serialized_start=1800
+  _globals['_SERVERTIMINGS']._serialized_end=1852
+  _globals['_VERDICT']._serialized_start=1855
+  _globals['_VERDICT']._serialized_end=2043
+  _globals['_DONE']._serialized_start=2045
+  _globals['_DONE']._serialized_end=2143
+  _globals['_SERVERMESSAGE']._serialized_start=2146
+  _globals['_SERVERMESSAGE']._serialized_end=2284
+  _globals['_SPLITDECODING']._serialized_start=2712
+  _globals['_SPLITDECODING']._serialized_end=3012
 # @@protoc_insertion_point(module_scope)

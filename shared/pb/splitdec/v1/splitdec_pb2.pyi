@@ -153,7 +153,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class Open(_message.Message):
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
@@ -168,7 +169,26 @@ class Open(_message.Message):
     acceptance: AcceptanceMode
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("session_id", "generated_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    generated_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., generated_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("open", "drafter", "tree_nodes")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    open: Open
+    drafter: str
+    tree_nodes: int
+    def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., drafter: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("round_id", "base_length", "tokens", "parents")
@@ -197,16 +217,18 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "acceptance", "seed")
+    __slots__ = ("session_id", "prompt_ids", "acceptance", "seed", "resumed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     acceptance: AcceptanceMode
     seed: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    resumed: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., seed: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
 
 class ServerTimings(_message.Message):
     __slots__ = ("queue_ms", "verify_ms")

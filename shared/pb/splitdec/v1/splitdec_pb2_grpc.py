@@ -49,6 +49,11 @@ class SplitDecodingStub:
                 request_serializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ClientMessage.SerializeToString,
                 response_deserializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ServerMessage.FromString,
                 _registered_method=True)
+        self.Generate = channel.unary_stream(
+                '/splitdec.v1.SplitDecoding/Generate',
+                request_serializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ServerMessage.FromString,
+                _registered_method=True)
 
 
 class SplitDecodingServicer:
@@ -77,6 +82,15 @@ class SplitDecodingServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request, context):
+        """The baselines split decoding is measured against (DESIGN section 7): the server generates
+        alone, token by token or speculating with a drafter of its own, and streams what it commits:
+        Opened, one Verdict per forward pass, Done. Same limits and errors as Decode.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SplitDecodingServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +107,11 @@ def add_SplitDecodingServicer_to_server(servicer, server):
             'Decode': grpc.stream_stream_rpc_method_handler(
                     servicer.Decode,
                     request_deserializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ClientMessage.FromString,
+                    response_serializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ServerMessage.SerializeToString,
+            ),
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.GenerateRequest.FromString,
                     response_serializer=shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ServerMessage.SerializeToString,
             ),
     }
@@ -176,6 +195,33 @@ class SplitDecoding:
             target,
             '/splitdec.v1.SplitDecoding/Decode',
             shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ClientMessage.SerializeToString,
+            shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ServerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitdec.v1.SplitDecoding/Generate',
+            shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.GenerateRequest.SerializeToString,
             shared_dot_pb_dot_splitdec_dot_v1_dot_splitdec__pb2.ServerMessage.FromString,
             options,
             channel_credentials,

@@ -1,0 +1,81 @@
+"""The server's table of sessions: who owns each one, and how long an orphan is kept.
+
+A session belongs to at most one stream at a time, its owner. When a stream breaks, its session
+stays, detached, for `session_idle_timeout_s` after its last activity, so the edge can resume it
+on a new stream (DESIGN section 5); a resume takes a session over even from a stream that looks
+alive to the server (a black-holed link is noticed by the edge first). Knows nothing of gRPC
+or of the model.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from cloud_server.session import Session
+from shared.errors import Overloaded
+from shared.messages import Limits
+
+
+@dataclass
+class _Entry:
+    session: Session
+    owner: object | None  # None: detached, waiting for a resume
+    active_at: float
+
+
+class SessionTable:
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic):
+        self.limits = limits
+        self._clock = clock
+        self._entries: dict[str, _Entry] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._entries
+
+    def reserve(self) -> None:
+        """Raises Overloaded when no new session fits, after dropping expired orphans."""
+        self._evict_expired()
+        if len(self._entries) >= self.limits.max_sessions:
+            raise Overloaded(f"server is at its limit of {self.limits.max_sessions} sessions; "
+                             "retry in a few seconds")
+
+    def add(self, session: Session, owner: object) -> None:
+        self._entries[session.id] = _Entry(session, owner, self._clock())
+
+    def take_over(self, session_id: str, owner: object) -> Session | None:
+        """The session, now owned by `owner`; None when the server no longer holds it."""
+        self._evict_expired()
+        entry = self._entries.get(session_id)
+        if entry is None:
+            return None
+        entry.owner, entry.active_at = owner, self._clock()
+        return entry.session
+
+    def owns(self, session: Session, owner: object) -> bool:
+        entry = self._entries.get(session.id)
+        if entry is None or entry.owner is not owner:
+            return False
+        entry.active_at = self._clock()
+        return True
+
+    def detach(self, session: Session, owner: object) -> None:
+        """The owner's stream broke: keep the session for a resume."""
+        entry = self._entries.get(session.id)
+        if entry is not None and entry.owner is owner:
+            entry.owner = None
+
+    def release(self, session: Session, owner: object) -> None:
+        """The owner is done with the session: drop it (unless another stream took it over)."""
+        entry = self._entries.get(session.id)
+        if entry is not None and entry.owner is owner:
+            del self._entries[session.id]
+
+    def _evict_expired(self) -> None:
+        deadline = self._clock() - self.limits.session_idle_timeout_s
+        for sid in [sid for sid, e in self._entries.items()
+                    if e.owner is None and e.active_at < deadline]:
+            del self._entries[sid]

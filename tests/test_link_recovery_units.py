@@ -1,0 +1,95 @@
+"""The pieces the edge uses to survive a bad link, one by one: offline drafting and
+reconciliation, backoff, pipelined speculation, and the server's table of held sessions."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from cloud_server.sessions import SessionTable
+from edge_client.drafters.pld import PromptLookupDrafter
+from edge_client.offline import Backoff, LinkPolicy, draft_offline, reconcile
+from edge_client.pipeline import Speculation
+from shared.errors import Overloaded
+from shared.messages import Limits
+from shared.tree import DraftTree
+
+
+@pytest.mark.parametrize("offline, committed, pending, rewound", [
+    ([1, 2, 3], [1], [2, 3], 0),  # a catch-up token that the offline text also had
+    ([1, 2, 3], [1, 2, 3], [], 0),  # all confirmed
+    ([1, 2, 3], [1, 2, 3, 4], [], 0),  # confirmed, plus the target's own next token
+    ([1, 2, 3], [1, 9], [], 2),  # diverges at the second: that one and the rest rewound
+    ([1, 2, 3], [7], [], 3),
+    ([], [5, 6], [], 0),
+    ([1, 2], [], [1, 2], 0),
+])
+def test_reconcile_keeps_the_agreed_prefix_and_rewinds_the_rest(offline, committed, pending,
+                                                                 rewound):
+    assert reconcile(offline, committed) == (pending, rewound)
+
+
+def test_offline_drafting_follows_the_best_path_up_to_the_room():
+    drafter = PromptLookupDrafter()
+    text = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    drafter.reset(text)
+    assert draft_offline(drafter, text, 3) == [4, 5, 6]
+    # repetition keeps it going; the room caps it
+    assert len(draft_offline(drafter, text, 20)) == 20
+    assert draft_offline(drafter, [7, 8, 9], 5) == []  # nothing to look up: nothing drafted
+
+
+def test_backoff_grows_to_its_cap_with_jitter():
+    policy = LinkPolicy(backoff_initial_s=0.1, backoff_max_s=1.0)
+    backoff = Backoff(policy, random.Random(0))
+    waits = [backoff.next_wait_s() for _ in range(8)]
+    caps = [min(1.0, 0.1 * 2 ** i) for i in range(8)]
+    assert all(cap / 2 <= w <= cap for w, cap in zip(waits, caps))
+    assert len(set(waits)) == len(waits)
+
+
+def test_tree_best_path_and_subtree():
+    tree = DraftTree((5, 6, 7, 8, 9), (-1, -1, 0, 0, 2))
+    assert tree.best_path() == [5, 7, 9]
+    assert tree.subtree(0) == DraftTree((7, 8, 9), (-1, -1, 0))
+    assert tree.subtree(1) == DraftTree((), ())
+    assert DraftTree((), ()).best_path() == []
+
+
+def test_speculation_is_kept_only_when_it_came_true():
+    drafter = PromptLookupDrafter()
+    text = [1, 2, 3, 4, 5, 6, 7, 1, 2]
+    drafter.reset(text)
+    sent = DraftTree.chain([3, 4])
+    spec = Speculation.draft(drafter, text, sent, 8)
+    assert spec.path == (3, 4)
+    assert spec.next_tree([3, 4, 5]).best_path()[:2] == [6, 7]  # path and guess right
+    assert spec.next_tree([3, 4, 9]) is None  # the target's own token not among the guesses
+    assert spec.next_tree([3, 5]) is None  # path not accepted in full
+    assert Speculation.draft(drafter, text, DraftTree((), ()), 8) is None
+
+
+class FakeSession:
+    def __init__(self, sid: str):
+        self.id = sid
+
+
+def test_session_table_holds_orphans_for_the_idle_timeout_then_evicts():
+    now = [0.0]
+    table = SessionTable(Limits(max_sessions=2, session_idle_timeout_s=10), clock=lambda: now[0])
+    a, b = FakeSession("a"), FakeSession("b")
+    first, second = object(), object()
+    table.add(a, first)
+    table.add(b, first)
+    with pytest.raises(Overloaded):
+        table.reserve()
+    table.detach(a, first)
+    assert table.take_over("a", second) is a  # a resume takes the orphan
+    assert not table.owns(a, first) and table.owns(a, second)
+    table.release(a, first)  # the old stream ending late changes nothing
+    assert "a" in table
+    table.detach(a, second)
+    now[0] = 11.0
+    table.reserve()  # the orphan expired and made room
+    assert "a" not in table and "b" in table  # an owned session is never evicted
+    assert table.take_over("a", second) is None
