@@ -137,7 +137,7 @@ class SplitGeneration:
         return self.result
 
     async def _stream(self, start: float) -> None:
-        stream = self.link.decode()
+        stream = self.link.decode(wait_for_ready=self._outage is not None)
         try:
             await self._open(stream, start)
             while self.finish is FinishReason.NOT_FINISHED:
@@ -161,7 +161,7 @@ class SplitGeneration:
     async def _open(self, stream: DecodeStream, start: float) -> None:
         resuming = self.opened is not None
         timeout_s = self.link.config.resume_timeout_s if self._outage else None
-        await stream.send(self._open_request())
+        await stream.send(self._open_request(), timeout_s)
         opened: Opened = await _expect(stream, Opened, timeout_s)
         verdict: Verdict = await _expect(stream, Verdict, timeout_s)
         if self._outage is not None:

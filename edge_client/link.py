@@ -7,11 +7,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from dataclasses import dataclass
+from typing import AsyncIterator
 
 import grpc
 
 from shared import wire
-from shared.messages import ClientMessage, ServerInfo, ServerMessage
+from shared.messages import ClientMessage, GenerateRequest, ServerInfo, ServerMessage
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 
@@ -55,10 +56,11 @@ def channel_options(config: LinkConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         # After a drop, the channel redials quickly instead of grpc's default 1 s to 120 s
-        # backoff; the client's own reconnect loop (offline.py) paces the attempts.
+        # backoff; the client's own reconnect loop (offline.py) paces the attempts. Leave
+        # grpc.min_reconnect_backoff_ms alone: it is also the connect timeout, and at 100 ms a
+        # 4G handshake never completes.
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 1000),
+        ("grpc.max_reconnect_backoff_ms", 500),
     ]
 
 
@@ -115,8 +117,23 @@ class ServerLink:
             raise LinkError(f"artifact {name} from {self.address} failed its sha256 check")
         return data
 
-    def decode(self) -> "DecodeStream":
-        call = self._stub.Decode(timeout=self.config.stream_timeout_s)
+    async def generate(self, request: GenerateRequest
+                       ) -> AsyncIterator[tuple[ServerMessage, int]]:
+        """A server-only generation (the baselines): each message with its size on the wire."""
+        call = self._stub.Generate(wire.generate_to_proto(request),
+                                   timeout=self.config.stream_timeout_s)
+        try:
+            async for raw in call:
+                yield wire.server_from_proto(raw), raw.ByteSize() + GRPC_FRAME_BYTES
+        except grpc.aio.AioRpcError as err:
+            raise link_error(err, self.address) from None
+
+    def decode(self, wait_for_ready: bool = False) -> "DecodeStream":
+        """A Decode call. `wait_for_ready` (for a resume) waits for the channel to reconnect
+        instead of failing at once, so the call goes out the moment the link is back; the first
+        receive's timeout bounds the wait."""
+        call = self._stub.Decode(timeout=self.config.stream_timeout_s,
+                                 wait_for_ready=wait_for_ready)
         return DecodeStream(call, self.address, self.config.round_timeout_s)
 
 
@@ -130,11 +147,18 @@ class DecodeStream:
         self.bytes_up = 0
         self.bytes_down = 0
 
-    async def send(self, msg: ClientMessage) -> None:
+    async def send(self, msg: ClientMessage, timeout_s: float | None = None) -> None:
+        """Sends within `timeout_s` (default: the round timeout); a call that waits for the
+        channel to be ready blocks here while the link is down."""
         raw = wire.client_to_proto(msg)
         self.bytes_up += raw.ByteSize() + GRPC_FRAME_BYTES
+        timeout_s = timeout_s or self._round_timeout_s
         try:
-            await self._call.write(raw)
+            await asyncio.wait_for(self._call.write(raw), timeout_s)
+        except asyncio.TimeoutError:
+            self._call.cancel()
+            raise ServerUnreachable(f"could not send to the server at {self._address} within "
+                                    f"{timeout_s:g} s") from None
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             raise await self._write_failed() from None
 

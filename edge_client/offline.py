@@ -27,8 +27,10 @@ class LinkPolicy:
     offline: OfflinePolicy = OfflinePolicy.DRAFT
     offline_limit: int = 64  # unverified tokens at most, then wait
     reconnect_timeout_s: float = 120.0  # give up after this long without the server; 0: never try
-    backoff_initial_s: float = 0.2
-    backoff_max_s: float = 3.0
+    # Pauses between resume attempts; each attempt itself waits up to the link's resume timeout
+    # for the channel to reconnect, so these only spread out edges that retry together.
+    backoff_initial_s: float = 0.1
+    backoff_max_s: float = 1.0
     pipeline: bool = True  # draft the next tree while a round is in flight
 
 

@@ -493,6 +493,7 @@ class NetSimProxy:
         self._listener: socket.socket | None = None
         self._tasks: set[asyncio.Task] = set()  # one per live connection
         self._outage_task: asyncio.Task | None = None
+        self._scripted: set[asyncio.Task] = set()  # outages begun by outage_now()
         self._started_at = 0.0
         self._connections = 0
         self._outages = 0
@@ -528,7 +529,7 @@ class NetSimProxy:
         if self._listener is None:
             return
         self._accept_off()
-        tasks = [*self._tasks] + ([self._outage_task] if self._outage_task else [])
+        tasks = [*self._tasks, *self._scripted] + ([self._outage_task] if self._outage_task else [])
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -621,9 +622,13 @@ class NetSimProxy:
         """An unscheduled outage from now for `duration_s`, in the conditions' mode: for tests
         that script an outage at a chosen moment of a generation."""
         outage = Outage(asyncio.get_running_loop().time() - self._started_at, duration_s)
-        await self._begin_outage(outage)
-        await asyncio.sleep(duration_s)
-        self._end_outage()
+        self._scripted.add(asyncio.current_task())
+        try:
+            await self._begin_outage(outage)
+            await asyncio.sleep(duration_s)
+            self._end_outage()
+        finally:
+            self._scripted.discard(asyncio.current_task())
 
     async def _begin_outage(self, outage: Outage) -> None:
         self._outages += 1
@@ -675,7 +680,8 @@ class ProxyThread:
         return self.proxy.stats()
 
     def start_outage(self, duration_s: float) -> concurrent.futures.Future:
-        """Begins an outage now without waiting for its end; the future resolves at the end."""
+        """Begins an outage now without waiting for its end; the future resolves at the end
+        (or is cancelled when the proxy stops first)."""
         return asyncio.run_coroutine_threadsafe(self.proxy.outage_now(duration_s), self._loop)
 
     def __enter__(self) -> ProxyThread:

@@ -25,7 +25,9 @@ POLICY = LinkPolicy(reconnect_timeout_s=20.0, offline_limit=24, backoff_max_s=0.
 
 
 def options(policy: LinkPolicy = POLICY) -> ClientOptions:
-    return ClientOptions("pld", 8, MAX_NEW, link_policy=policy)
+    # One-node trees: ~MAX_NEW rounds of 2 x 15 ms make a generation last ~1.5 s, long enough
+    # for an outage to land mid-way however well the drafter guesses.
+    return ClientOptions("pld", 1, MAX_NEW, link_policy=policy)
 
 
 async def generate_with_outages(address: str, proxy: ProxyThread,
@@ -120,7 +122,7 @@ def test_server_restart_rebuilds_the_session_from_history(tiny_target):
             async with EdgeClient(proxy.address, options(), LINK) as client:
                 task = asyncio.create_task(client.generate(
                     OpenRequest(prompt_ids=PROMPT, max_new_tokens=MAX_NEW)))
-                await asyncio.sleep(0.3)
+                await asyncio.sleep(0.5)
                 await asyncio.to_thread(first.__exit__, None, None, None)
                 await asyncio.sleep(0.5)
                 with ServerThread(tiny_target, limits, port):

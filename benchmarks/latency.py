@@ -1,0 +1,263 @@
+"""Split decoding against what a user would run instead, over simulated links (issue 5).
+
+For each link profile (shared/netsim.py), in one run against one cloud-server process, every
+prompt in turn through: (a) a plain streaming API (the server decodes token by token and streams),
+(b) server-side speculative decoding with the same drafter on the server, (c) split decoding.
+Reports tokens/s, time to first token, p50/p95 inter-token latency, server calls and target
+forwards per generated token, wire bytes per token and, for split decoding, the link bound
+tau / (RTT + T_verify). Then a scripted outage on one profile: what it costs against the same
+generation without it. Writes a table, raw records and two PNGs.
+
+    python -m benchmarks.latency --per-set 1 --max-new-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from benchmarks import prompts
+from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from edge_client.client import ClientOptions, EdgeClient
+from edge_client.link import GRPC_FRAME_BYTES, ServerLink
+from shared import wire
+from shared.messages import ChatMessage, GenerateRequest, OpenRequest, Verdict
+from shared.netsim import PROFILES, NetworkConditions, Outage, OutageMode, ProxyThread
+
+METHODS = ("plain-api", "server-spec", "split")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--per-set", type=int, default=1, help="prompts per set")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--profiles", default=",".join(PROFILES))
+    p.add_argument("--drafter", default="pld")
+    p.add_argument("--outage-profile", default="4g")
+    p.add_argument("--outage-s", type=float, default=3.0)
+    p.add_argument("--name", default="latency", help="output file stem")
+    return p.parse_args()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclass
+class Arrivals:
+    """When each generated token reached the client, from the moment the request left."""
+
+    start: float = field(default_factory=time.perf_counter)
+    times: list[float] = field(default_factory=list)
+
+    def committed(self, ids: list[int]) -> None:
+        self.times += [time.perf_counter() - self.start] * len(ids)
+
+    def unverified(self, ids: list[int]) -> None: ...
+
+    def withdraw(self) -> None: ...
+
+    def link_event(self, text: str) -> None: ...
+
+    def stats(self) -> dict:
+        gaps = np.diff(self.times) * 1000 if len(self.times) > 1 else np.zeros(1)
+        return {"ttft_s": self.times[0], "wall_s": self.times[-1],
+                "itl_p50_ms": float(np.percentile(gaps, 50)),
+                "itl_p95_ms": float(np.percentile(gaps, 95))}
+
+
+async def run_server_only(link: ServerLink, request: OpenRequest, drafter: str | None) -> dict:
+    generate = GenerateRequest(request, drafter)
+    arrivals, tokens, forwards, verify_ms = Arrivals(), [], 0, 0.0
+    wire_bytes = wire.generate_to_proto(generate).ByteSize() + GRPC_FRAME_BYTES
+    async for msg, size in link.generate(generate):
+        wire_bytes += size
+        if isinstance(msg, Verdict):
+            arrivals.committed(list(msg.tokens))
+            tokens += msg.tokens
+            forwards += msg.round_id > 0
+            verify_ms += msg.verify_ms
+    return {**arrivals.stats(), "output_ids": tokens, "forwards": forwards, "server_calls": 1,
+            "bytes": wire_bytes, "verify_ms": verify_ms}
+
+
+async def run_split(client: EdgeClient, request: OpenRequest) -> dict:
+    arrivals = Arrivals()
+    r = await client.generate(request, arrivals)
+    return {**arrivals.stats(), "output_ids": r.output_ids, "forwards": r.rounds,
+            "server_calls": r.server_calls, "bytes": r.bytes_up + r.bytes_down,
+            "verify_ms": 1000 * r.verify_s, "rounds": r.rounds,
+            "hidden_draft_ms": 1000 * r.hidden_draft_s, "draft_ms": 1000 * r.draft_s,
+            "reconnects": r.reconnects, "outage_s": r.outage_s,
+            "offline_tokens": r.offline_tokens, "corrected_tokens": r.corrected_tokens}
+
+
+async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
+    conditions = NetworkConditions.symmetric(PROFILES[profile])
+    records = []
+    with ProxyThread(address, conditions) as proxy:
+        async with EdgeClient(proxy.address, ClientOptions(args.drafter, None,
+                                                           args.max_new_tokens)) as client:
+            for item in items:
+                request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
+                                      max_new_tokens=args.max_new_tokens)
+                for method in METHODS:
+                    if method == "split":
+                        record = await run_split(client, request)
+                    else:
+                        drafter = args.drafter if method == "server-spec" else None
+                        record = await run_server_only(client.link, request, drafter)
+                    records.append({"profile": profile, "rtt_ms": conditions.rtt_ms,
+                                    "method": method, "id": item["id"], **record})
+                    log(f"  {profile:>9} {method:>11} {item['id']:<20} "
+                        f"{len(record['output_ids']) / record['wall_s']:6.1f} tok/s")
+    return records
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    rows = []
+    for profile in dict.fromkeys(r["profile"] for r in records):
+        plain = _group(records, profile, "plain-api")
+        for method in METHODS:
+            group = _group(records, profile, method)
+            tokens = sum(len(r["output_ids"]) for r in group)
+            speed = tokens / sum(r["wall_s"] for r in group)
+            row = {"profile": profile, "rtt_ms": group[0]["rtt_ms"], "method": method,
+                   "tokens_per_s": speed,
+                   "vs_plain_api": speed / (sum(len(r["output_ids"]) for r in plain)
+                                            / sum(r["wall_s"] for r in plain)),
+                   "ttft_ms": 1000 * np.mean([r["ttft_s"] for r in group]),
+                   "itl_p50_ms": np.mean([r["itl_p50_ms"] for r in group]),
+                   "itl_p95_ms": np.mean([r["itl_p95_ms"] for r in group]),
+                   "calls_per_token": sum(r["server_calls"] for r in group) / tokens,
+                   "forwards_per_token": sum(r["forwards"] for r in group) / tokens,
+                   "bytes_per_token": sum(r["bytes"] for r in group) / tokens,
+                   "link_bound": None, "identical": _identical(records, profile, method)}
+            if method == "split":
+                rounds = sum(r["rounds"] for r in group)
+                tau = (tokens - len(group)) / rounds
+                verify_s = sum(r["verify_ms"] for r in group) / rounds / 1000
+                row["tau"] = tau
+                row["link_bound"] = tau / (group[0]["rtt_ms"] / 1000 + verify_s)
+                row["hidden_draft_share"] = (sum(r["hidden_draft_ms"] for r in group)
+                                             / max(1e-9, sum(r["hidden_draft_ms"] + r["draft_ms"]
+                                                             for r in group)))
+            rows.append(row)
+    return rows
+
+
+def _group(records: list[dict], profile: str, method: str) -> list[dict]:
+    return [r for r in records if r["profile"] == profile and r["method"] == method]
+
+
+def _identical(records: list[dict], profile: str, method: str) -> str:
+    plain = {r["id"]: r["output_ids"] for r in _group(records, profile, "plain-api")}
+    group = _group(records, profile, method)
+    same = sum(r["output_ids"] == plain[r["id"]] for r in group)
+    return f"{same}/{len(group)}"
+
+
+async def outage_cost(address: str, item: dict, args, mode: OutageMode) -> dict:
+    """The same split generation without and with one outage 2 s in; the difference is what
+    the outage cost, to set against its length plus one round."""
+    request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
+                          max_new_tokens=args.max_new_tokens)
+    profile = PROFILES[args.outage_profile]
+    runs = {}
+    for label, outages in (("clean", ()), ("outage", (Outage(2.0, args.outage_s),))):
+        conditions = NetworkConditions.symmetric(profile, outages=outages, outage_mode=mode)
+        with ProxyThread(address, conditions) as proxy:
+            async with EdgeClient(proxy.address, ClientOptions(args.drafter, None,
+                                                               args.max_new_tokens)) as client:
+                runs[label] = await run_split(client, request)
+    clean, hit = runs["clean"], runs["outage"]
+    round_s = clean["wall_s"] / max(1, clean["rounds"])
+    return {"mode": mode.value, "outage_s": args.outage_s, "clean_s": clean["wall_s"],
+            "with_outage_s": hit["wall_s"], "cost_s": hit["wall_s"] - clean["wall_s"],
+            "round_s": round_s, "offline_tokens": hit["offline_tokens"],
+            "corrected_tokens": hit["corrected_tokens"], "reconnects": hit["reconnects"],
+            "identical": hit["output_ids"] == clean["output_ids"]}
+
+
+def render(rows: list[dict]) -> str:
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    body = [(r["profile"], f"{r['rtt_ms']:g}", r["method"], fmt(r["tokens_per_s"], ".1f"),
+             fmt(r["vs_plain_api"], ".2f") + "x", fmt(r["ttft_ms"], ".0f"),
+             fmt(r["itl_p50_ms"], ".0f"), fmt(r["itl_p95_ms"], ".0f"),
+             fmt(r["calls_per_token"], ".3f"), fmt(r["forwards_per_token"], ".2f"),
+             fmt(r["bytes_per_token"], ".0f"),
+             fmt(r["link_bound"], ".1f") if r["link_bound"] is None
+             else f"{r['link_bound']:.1f} ({r['tokens_per_s'] / r['link_bound']:.0%})",
+             r["identical"]) for r in rows]
+    return markdown_table(("link", "RTT ms", "method", "tok/s", "vs plain API", "TTFT ms",
+                           "ITL p50 ms", "ITL p95 ms", "calls/token", "target fwd/token",
+                           "bytes/token", "link bound tok/s (reached)", "same text"), body)
+
+
+def render_outages(rows: list[dict], profile: str) -> str:
+    body = [(r["mode"], f"{r['outage_s']:g}", f"{r['clean_s']:.2f}", f"{r['with_outage_s']:.2f}",
+             f"{r['cost_s']:.2f}", f"{r['outage_s'] + r['round_s']:.2f}", r["offline_tokens"],
+             r["corrected_tokens"], "yes" if r["identical"] else "NO") for r in rows]
+    return (f"Outage on `{profile}`, split decoding:\n\n" + markdown_table(
+        ("mode", "outage s", "clean run s", "with outage s", "cost s", "outage + 1 round s",
+         "offline tokens", "corrected", "same text"), body))
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, work) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in METHODS:
+        mine = [r for r in rows if r["method"] == method]
+        speed.plot([r["rtt_ms"] for r in mine], [r["tokens_per_s"] for r in mine], "o-",
+                   label=method)
+    split = [r for r in rows if r["method"] == "split"]
+    speed.plot([r["rtt_ms"] for r in split], [r["link_bound"] for r in split], "k:",
+               label="split link bound tau/(RTT+T_verify)")
+    speed.set_xscale("symlog", linthresh=10)
+    speed.set_xlabel("round-trip time, ms (netsim profiles)")
+    speed.set_ylabel("generated tokens/s")
+    speed.legend(fontsize=8)
+    speed.set_title("Tokens/s vs link RTT")
+    per_method = {m: np.mean([r["forwards_per_token"] for r in rows if r["method"] == m])
+                  for m in METHODS}
+    work.bar(list(per_method), list(per_method.values()), color=["C0", "C1", "C2"])
+    work.set_ylabel("target forward passes per generated token")
+    work.set_title("Server work per token")
+    fig.suptitle("SmolLM2-135M-Instruct, CPU server on loopback behind netsim")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    log(machine())
+    items = [row for name in prompts.SETS for row in prompts.load(name, args.per_set)]
+    with cloud_server("--device", "cpu") as address:
+        records = []
+        for profile in args.profiles.split(","):
+            records += asyncio.run(run_profile(address, profile, items, args))
+        outages = [asyncio.run(outage_cost(address, items[0], args, mode))
+                   for mode in (OutageMode.CUT, OutageMode.BLACKHOLE)]
+    rows = summarize(records)
+    header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
+              f"new tokens max, drafter {args.drafter}; {machine()}\n\n")
+    text = (header + render(rows) + "\n\n" + render_outages(outages, args.outage_profile) + "\n")
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{args.name}.md").write_text(text)
+    (RESULTS / f"{args.name}.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records + outages))
+    plot(rows, RESULTS / f"{args.name}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The server side of resuming (a lost Verdict, a rebuilt session, a mismatched history) and of
+the Generate baselines, each checked against plain greedy decoding on the tiny model."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cloud_server.reference import compare, plain_greedy
+from edge_client.link import LinkError, ServerLink
+from shared.messages import (
+    Done, DraftRequest, GenerateRequest, OpenRequest, Opened, Resume, Verdict,
+)
+from shared.tree import DraftTree
+
+PROMPT = (5, 6, 7, 8, 5, 6, 7)
+MAX_NEW = 24
+
+
+async def open_and_step(link: ServerLink, rounds: int) -> tuple[Opened, list[int]]:
+    """Opens a session, runs `rounds` one-node rounds, then drops the stream without a word."""
+    stream = link.decode()
+    await stream.send(OpenRequest(prompt_ids=PROMPT, max_new_tokens=MAX_NEW))
+    opened = await stream.recv()
+    generated = list((await stream.recv()).tokens)
+    for r in range(1, rounds + 1):
+        await stream.send(DraftRequest(r, len(PROMPT) + len(generated),
+                                       DraftTree.chain([generated[-1]])))
+        generated += (await stream.recv()).tokens
+    stream.cancel()
+    return opened, generated
+
+
+async def resume_to_the_end(link: ServerLink, opened: Opened, history: list[int],
+                            session_id: str | None = None) -> tuple[Opened, Verdict, list[int]]:
+    """Resumes with `history` and finishes the generation with one-node rounds."""
+    stream = link.decode()
+    await stream.send(OpenRequest(prompt_ids=PROMPT, max_new_tokens=MAX_NEW,
+                                  resume=Resume(session_id or opened.session_id, tuple(history))))
+    again, first = await stream.recv(), await stream.recv()
+    generated = history + list(first.tokens)
+    verdict = first
+    while verdict.finish_reason.value == 0:
+        await stream.send(DraftRequest(verdict.round_id + 1, len(PROMPT) + len(generated),
+                                       DraftTree.chain([generated[-1]])))
+        verdict = await stream.recv()
+        generated += verdict.tokens
+    assert isinstance(await stream.recv(), Done)
+    stream.cancel()
+    return again, first, generated
+
+
+def test_resume_sends_what_a_lost_verdict_carried(tiny_server, tiny_target):
+    async def go():
+        async with ServerLink(tiny_server.address) as link:
+            opened, generated = await open_and_step(link, 3)
+            await asyncio.sleep(0.2)  # the server notices the stream is gone
+            held = generated[:-2]  # the edge never saw the last Verdict or two
+            return generated, await resume_to_the_end(link, opened, held)
+    generated, (again, first, final) = asyncio.run(go())
+    assert again.resumed and again.session_id
+    assert list(first.tokens) == generated[-2:]  # the tokens the edge lacked, nothing else
+    assert first.round_id == 3
+    assert compare(tiny_target, PROMPT, final, plain_greedy(tiny_target, PROMPT, MAX_NEW)).lossless
+
+
+def test_unknown_session_is_rebuilt_from_history(tiny_server, tiny_target):
+    async def go():
+        async with ServerLink(tiny_server.address) as link:
+            opened, generated = await open_and_step(link, 2)
+            return await resume_to_the_end(link, opened, generated, session_id="gone")
+    again, first, final = asyncio.run(go())
+    assert not again.resumed and first.round_id == 0
+    assert compare(tiny_target, PROMPT, final, plain_greedy(tiny_target, PROMPT, MAX_NEW)).lossless
+
+
+def test_resume_with_a_history_the_session_never_had_is_refused(tiny_server):
+    async def go():
+        async with ServerLink(tiny_server.address) as link:
+            opened, generated = await open_and_step(link, 1)
+            await asyncio.sleep(0.2)
+            forged = [(generated[0] + 1) % 256] + generated[1:]
+            await resume_to_the_end(link, opened, forged)
+    with pytest.raises(LinkError, match="does not match"):
+        asyncio.run(go())
+
+
+async def server_generate(address: str, request: GenerateRequest) -> tuple[list[int], int]:
+    tokens, forwards = [], 0
+    async with ServerLink(address) as link:
+        async for msg, _ in link.generate(request):
+            if isinstance(msg, Verdict):
+                tokens += msg.tokens
+                forwards += msg.round_id > 0
+    return tokens, forwards
+
+
+@pytest.mark.parametrize("drafter", [None, "pld", "aded"])
+def test_server_side_generation_equals_plain_greedy(tiny_server, tiny_target, drafter):
+    request = GenerateRequest(OpenRequest(prompt_ids=PROMPT * 3, max_new_tokens=MAX_NEW), drafter)
+    tokens, forwards = asyncio.run(server_generate(tiny_server.address, request))
+    plain = plain_greedy(tiny_target, PROMPT * 3, MAX_NEW)
+    assert compare(tiny_target, PROMPT * 3, tokens, plain).lossless
+    if drafter is None:
+        assert forwards == len(tokens) - 1  # one forward per token after the prefill's
+    else:
+        assert forwards < len(tokens) - 1  # the drafter saved forwards
+
+
+def test_server_side_generation_refuses_an_unknown_drafter(tiny_server):
+    request = GenerateRequest(OpenRequest(prompt_ids=PROMPT), "eagle-9")
+    with pytest.raises(LinkError, match="unknown drafter"):
+        asyncio.run(server_generate(tiny_server.address, request))
