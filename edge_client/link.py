@@ -60,7 +60,7 @@ def channel_options(config: LinkConfig) -> list[tuple[str, int]]:
         # grpc.min_reconnect_backoff_ms alone: it is also the connect timeout, and at 100 ms a
         # 4G handshake never completes.
         ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 300),
     ]
 
 

@@ -494,6 +494,7 @@ class NetSimProxy:
         self._tasks: set[asyncio.Task] = set()  # one per live connection
         self._outage_task: asyncio.Task | None = None
         self._scripted: set[asyncio.Task] = set()  # outages begun by outage_now()
+        self._scripted_until: float | None = None  # loop time the scripted outage ends
         self._started_at = 0.0
         self._connections = 0
         self._outages = 0
@@ -620,14 +621,22 @@ class NetSimProxy:
 
     async def outage_now(self, duration_s: float) -> None:
         """An unscheduled outage from now for `duration_s`, in the conditions' mode: for tests
-        that script an outage at a chosen moment of a generation."""
-        outage = Outage(asyncio.get_running_loop().time() - self._started_at, duration_s)
+        that script an outage at a chosen moment of a generation. One that begins while another
+        is under way extends it instead (outages never overlap)."""
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + duration_s
+        if self._scripted_until is not None:
+            self._scripted_until = max(self._scripted_until, ends_at)
+            return
+        self._scripted_until = ends_at
         self._scripted.add(asyncio.current_task())
         try:
-            await self._begin_outage(outage)
-            await asyncio.sleep(duration_s)
+            await self._begin_outage(Outage(loop.time() - self._started_at, duration_s))
+            while (left := self._scripted_until - loop.time()) > 0:
+                await asyncio.sleep(left)
             self._end_outage()
         finally:
+            self._scripted_until = None
             self._scripted.discard(asyncio.current_task())
 
     async def _begin_outage(self, outage: Outage) -> None:

@@ -36,10 +36,13 @@ def test_batch_with_missing_server_fails_cleanly(tmp_path):
     assert proc.returncode == 3 and "cannot reach" in proc.stderr
 
 
-def test_bad_arguments_exit_2():
-    proc = subprocess.run(EDGE + ["--server", "x:1", "--drafter", "nope", "hi"],
+@pytest.mark.parametrize("args", [["--drafter", "nope"], ["--offline-policy", "hope"],
+                                  ["--offline-limit", "0"], ["--reconnect-timeout", "-1"]])
+def test_bad_arguments_exit_2(args):
+    proc = subprocess.run(EDGE + ["--server", "x:1", *args, "hi"],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()[-1:]) == 1
 
 
 @pytest.mark.slow

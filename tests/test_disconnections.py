@@ -131,3 +131,15 @@ def test_server_restart_rebuilds_the_session_from_history(tiny_target):
     result = asyncio.run(go())
     assert_lossless(tiny_target, result)
     assert result.rebuilt_sessions >= 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_outages_over_many_generations(tiny_server, tiny_target, seed):
+    """Three outages at random moments of a generation (cut or black hole, 0.2-0.6 s each,
+    possibly overlapping), drawn from the seed: every generation ends with the plain text."""
+    rng = random.Random(seed)
+    mode = rng.choice(list(OutageMode))
+    outages = sorted((rng.uniform(0.0, 1.5), rng.uniform(0.2, 0.6)) for _ in range(3))
+    with ProxyThread(tiny_server.address, slow_link(mode)) as proxy:
+        result = asyncio.run(generate_with_outages(proxy.address, proxy, outages))
+    assert_lossless(tiny_target, result)

@@ -65,3 +65,47 @@ def test_real_model_seeded_sampling_replays_and_races_ignore_the_drafter(real_ta
         topk = [asyncio.run(go("aded", AcceptanceMode.TOPK_DRAFTS)) for _ in range(2)]
     assert race[0] == race[1] and len(race[0]) > 0
     assert topk[0] == topk[1]
+
+
+class FirstTokens:
+    """A listener that fires an event at the first committed tokens."""
+
+    def __init__(self) -> None:
+        self.seen = asyncio.Event()
+
+    def committed(self, ids: list[int]) -> None:
+        self.seen.set()
+
+    def unverified(self, ids: list[int]) -> None: ...
+
+    def withdraw(self) -> None: ...
+
+    def link_event(self, text: str) -> None: ...
+
+
+@pytest.mark.parametrize("mode, outage_s", [("cut", 1.0), ("blackhole", 2.5)])
+def test_real_model_outage_mid_generation_loses_nothing(real_target, mode, outage_s):
+    """An outage a moment after the answer starts: the edge drafts offline, resumes, has its
+    offline text checked, and ends with exactly the plain greedy answer."""
+    from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+
+    chat = (ChatMessage("user", sample_prompts()[2]),)
+    conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=10),
+                                             outage_mode=OutageMode(mode))
+
+    async def go(address: str, proxy: ProxyThread):
+        async with EdgeClient(address, ClientOptions("pld", None, MAX_NEW)) as client:
+            listener = FirstTokens()
+            task = asyncio.create_task(
+                client.generate(OpenRequest(chat=chat, max_new_tokens=MAX_NEW), listener))
+            await listener.seen.wait()
+            await asyncio.sleep(0.2)
+            proxy.start_outage(outage_s)
+            return await asyncio.wait_for(task, 120)
+
+    with ServerThread(real_target) as server, ProxyThread(server.address, conditions) as proxy:
+        result = asyncio.run(go(proxy.address, proxy))
+    plain = plain_greedy(real_target, result.prompt_ids, MAX_NEW)
+    assert compare(real_target, result.prompt_ids, result.output_ids, plain).lossless
+    assert result.reconnects >= 1 and result.outage_s > 0.5
+    assert result.corrected_tokens <= result.offline_tokens and not result.unverified_ids
