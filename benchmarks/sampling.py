@@ -28,7 +28,7 @@ from shared.messages import ChatMessage
 from shared.sampling import SamplingParams
 
 TEMPERATURES = (0.0, 0.7, 1.0)
-MODES = (AcceptanceMode.TOPK_DRAFTS, AcceptanceMode.EXPONENTIAL_RACE)
+MODES = (AcceptanceMode.TOPK_DRAFTS, AcceptanceMode.SAMPLED_DRAFTS, AcceptanceMode.EXPONENTIAL_RACE)
 
 
 def plain_sample(target: TargetModel, prompt_ids: list[int], max_new: int, temperature: float,

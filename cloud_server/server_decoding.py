@@ -11,8 +11,11 @@ import time
 from cloud_server.session import Session
 from edge_client.budget import TreeBudget
 from edge_client.drafters import DRAFTERS, make_drafter
+from shared.acceptance import AcceptanceMode
+from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
 from shared.messages import Verdict
+from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
 
 PLAIN = DraftTree((), ())
@@ -40,9 +43,16 @@ class ServerDecoder:
             return self.session.advance(PLAIN)
         start = time.perf_counter()
         context = list(self.session.committed)
-        tree = self._drafter.propose(context, self._budget.nodes())
-        verdict = self.session.advance(tree)
+        tree, q = self._draft(context)
+        verdict = self.session.advance(tree, q)
         self._drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
         self._budget.observe(len(tree), verdict.accepted_nodes,
                              1000 * (time.perf_counter() - start), verdict.verify_ms)
         return verdict
+
+    def _draft(self, context: list[int]) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        nodes = self._budget.nodes()
+        if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
+            return self._drafter.propose(context, nodes), ()
+        rng = round_rng(self.session.seed, RngStream.DRAFT, len(context))
+        return self._drafter.propose_sampled(context, nodes, rng)

@@ -15,8 +15,10 @@ import torch
 
 from cloud_server.target import TargetModel, keep_path
 from shared.acceptance import (
-    Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_topk_drafts,
+    Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
+    accept_topk_drafts,
 )
+from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest, OutOfOrder
 from shared.messages import (
     Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Resume, Verdict,
@@ -114,10 +116,6 @@ class Session:
         mode = request.acceptance
         if mode is None:
             return AcceptanceMode.GREEDY if request.sampling.greedy else DEFAULT_SAMPLING_MODE
-        if mode is AcceptanceMode.SAMPLED_DRAFTS:
-            raise InvalidRequest("acceptance sampled-drafts needs draft probabilities, which this "
-                                 "server version does not take yet: use topk-drafts or "
-                                 "exponential-race")
         if mode is AcceptanceMode.GREEDY and not request.sampling.greedy:
             raise InvalidRequest("greedy acceptance with temperature > 0: choose a sampling "
                                  "acceptance mode or temperature 0")
@@ -130,7 +128,8 @@ class Session:
         """Round 0: runs the prompt (and a resumed history) and commits the target's next token."""
         start = time.perf_counter()
         self._cache, logits = self.target.prefill(self.committed)
-        acceptance = self._accept(DraftTree((), ()), logits[None])
+        empty = DraftTree((), ())
+        acceptance = self._accept(empty, logits[None], self._q_rows(empty, ()))
         return self._commit((), acceptance.tokens, start)
 
     def catch_up(self, resume: Resume) -> Verdict:
@@ -148,19 +147,30 @@ class Session:
         self._check_order(draft)
         draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
                             self.limits.max_tree_depth)
-        return self.advance(draft.tree)
+        return self.advance(draft.tree, draft.q)
 
-    def advance(self, tree: DraftTree) -> Verdict:
-        """Verifies a tree from the server itself (unchecked; empty: a plain decoding step)."""
+    def advance(self, tree: DraftTree, q: tuple[NodeQ, ...] = ()) -> Verdict:
+        """Verifies a tree (a client's, validated; or the server's own; empty: a plain decoding
+        step), with the q its drafts were sampled from under acceptance sampled-drafts."""
+        q_rows = self._q_rows(tree, q)
         start = time.perf_counter()
         base = len(self.committed) - 1
         logits = self.target.forward_tree(self._cache, self.committed[-1], tree)
         self.rounds += 1
-        acceptance = self._accept(tree, logits)
+        acceptance = self._accept(tree, logits, q_rows)
         keep_path(self._cache, base, acceptance.accepted_nodes)
         return self._commit(acceptance.accepted_nodes, acceptance.tokens, start)
 
-    def _accept(self, tree: DraftTree, logits: torch.Tensor) -> Acceptance:
+    def _q_rows(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> QRows | None:
+        if self.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
+            if q:
+                raise InvalidRequest(f"q is for acceptance sampled-drafts; this session verifies "
+                                     f"with {self.acceptance.value}")
+            return None
+        return QRows(tree, q, self.target.vocab_size)
+
+    def _accept(self, tree: DraftTree, logits: torch.Tensor, q: QRows | None = None
+                ) -> Acceptance:
         """The session's acceptance rule on logits: [1 + n, vocab] (DESIGN section 4); row 0
         predicts the token at position len(committed)."""
         if self.acceptance is AcceptanceMode.GREEDY:
@@ -171,6 +181,8 @@ class Session:
         # Keyed by position, which only grows, so no two decisions share random numbers even
         # across a session rebuilt from its history (its round count starts again).
         rng = round_rng(self.seed, RngStream.VERIFY, len(self.committed))
+        if self.acceptance is AcceptanceMode.SAMPLED_DRAFTS:
+            return accept_sampled_drafts(tree, p, q, rng, without_replacement=True)
         return accept_topk_drafts(tree, p, rng)
 
     def _check_order(self, draft: DraftRequest) -> None:

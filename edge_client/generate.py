@@ -18,9 +18,12 @@ from edge_client.drafters.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
+from shared.acceptance import AcceptanceMode
+from shared.draft_q import NodeQ, point_masses
 from shared.messages import (
     Done, DraftRequest, FinishReason, OpenRequest, Opened, Resume, Verdict,
 )
+from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
 
 
@@ -189,11 +192,11 @@ class SplitGeneration:
         self._outage = None
 
     async def _round(self, stream: DecodeStream) -> None:
-        tree, checking_offline = self._next_tree()
+        tree, q, checking_offline = self._next_tree()
         sent = time.perf_counter()
-        await stream.send(DraftRequest(self._next_round, len(self.context), tree))
+        await stream.send(DraftRequest(self._next_round, len(self.context), tree, q))
         speculation = None
-        if self.policy.pipeline and not checking_offline:
+        if self.policy.pipeline and not checking_offline and not self._sampled_drafts:
             speculation = Speculation.draft(self.drafter, self.context, tree, self.budget.nodes())
         verdict: Verdict = await _expect(stream, Verdict)
         if not checking_offline:
@@ -206,16 +209,34 @@ class SplitGeneration:
         self._commit(verdict)
         self._take_speculation(speculation, verdict)
 
-    def _next_tree(self) -> tuple[DraftTree, bool]:
-        """The tree to send, and whether it is offline text being checked."""
+    @property
+    def _sampled_drafts(self) -> bool:
+        return self.opened.acceptance is AcceptanceMode.SAMPLED_DRAFTS
+
+    def _next_tree(self) -> tuple[DraftTree, tuple[NodeQ, ...], bool]:
+        """The tree to send, the q its drafts were drawn from (acceptance sampled-drafts only),
+        and whether it is offline text being checked."""
         if self.offline:
-            return DraftTree.chain(self.offline[: self.max_chain]), True
-        tree, self._ready_tree = self._ready_tree, None
+            return *self._with_q(DraftTree.chain(self.offline[: self.max_chain]), ()), True
+        tree, q, self._ready_tree = self._ready_tree, (), None
         if tree is None:
             start = time.perf_counter()
-            tree = self.drafter.propose(self.context, self.budget.nodes())
+            tree, q = self._draft()
             self.result.draft_s += time.perf_counter() - start
-        return (tree or fallback_tree(self.context)), False
+        return *self._with_q(tree or fallback_tree(self.context), q), False
+
+    def _draft(self) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        if not self._sampled_drafts:
+            return self.drafter.propose(self.context, self.budget.nodes()), ()
+        rng = round_rng(self.opened.seed, RngStream.DRAFT, len(self.context))
+        return self.drafter.propose_sampled(self.context, self.budget.nodes(), rng)
+
+    def _with_q(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """Under sampled-drafts, a chain chosen without drawing (offline text, the fallback
+        guess) goes with point masses as its q."""
+        if self._sampled_drafts and not q:
+            q = point_masses(tree)
+        return tree, q
 
     def _take_speculation(self, speculation: Speculation | None, verdict: Verdict) -> None:
         if speculation is None:

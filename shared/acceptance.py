@@ -79,7 +79,8 @@ def _without(probs: np.ndarray, token: int) -> np.ndarray:
     """probs: [vocab] conditioned on not being `token`."""
     rest = probs.copy()  # [vocab]
     rest[token] = 0.0
-    return _normalise(rest)
+    # Every token drawn: nothing is left to draw, and the caller has no candidate left.
+    return _normalise(rest) if rest.sum() > 0 else rest
 
 
 def _residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:

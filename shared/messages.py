@@ -8,6 +8,7 @@ import enum
 from dataclasses import dataclass
 
 from shared.acceptance import AcceptanceMode
+from shared.draft_q import NodeQ
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 
@@ -101,6 +102,7 @@ class DraftRequest:
     round_id: int
     base_length: int
     tree: DraftTree
+    q: tuple[NodeQ, ...] = ()  # acceptance sampled-drafts only
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from shared.acceptance import AcceptanceMode
+from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
 from shared.messages import (
     ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage, CloseRequest, Done, DraftRequest,
@@ -80,7 +81,8 @@ def client_to_proto(msg: ClientMessage) -> pb.ClientMessage:
     if isinstance(msg, DraftRequest):
         return pb.ClientMessage(draft=pb.Draft(
             round_id=msg.round_id, base_length=msg.base_length,
-            tokens=msg.tree.tokens, parents=msg.tree.parents))
+            tokens=msg.tree.tokens, parents=msg.tree.parents,
+            q=[pb.DraftQ(node=q.node, tokens=q.tokens, probs=q.probs) for q in msg.q]))
     return pb.ClientMessage(close=pb.Close())
 
 
@@ -90,7 +92,8 @@ def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
         return _open_from_proto(msg.open)
     if kind == "draft":
         d = msg.draft
-        return DraftRequest(d.round_id, d.base_length, DraftTree(tuple(d.tokens), tuple(d.parents)))
+        return DraftRequest(d.round_id, d.base_length, DraftTree(tuple(d.tokens), tuple(d.parents)),
+                            tuple(NodeQ(q.node, tuple(q.tokens), tuple(q.probs)) for q in d.q))
     if kind == "close":
         return CloseRequest()
     raise InvalidRequest("client message has no open, draft or close")

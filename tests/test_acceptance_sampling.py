@@ -16,6 +16,8 @@ import pytest
 import shared.acceptance as acceptance
 from shared.acceptance import (Acceptance, accept_exponential_race, accept_greedy,
                                accept_sampled_drafts, accept_topk_drafts)
+from edge_client.drafters.trie import TokenTrie
+from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest
 from shared.sampling import SamplingParams, race_noise, race_winner, warp
 from shared.tree import ROOT, DraftTree
@@ -329,3 +331,46 @@ def test_greedy_p_reduces_every_rule_to_greedy_acceptance():
         assert accept_topk_drafts(tree, p, rng) == expected
         assert accept_sampled_drafts(tree, p, rows(Q, text, tree), rng, True) == expected
         assert accept_exponential_race(tree, p, seed=3, position=len(text)) == expected
+
+
+def trie_of(q: ToyLM, prefix: tuple[int, ...], depth: int = 2) -> TokenTrie:
+    """Every continuation q allows, `depth` deep, each node scored with its q probability."""
+    trie = TokenTrie()
+
+    def visit(node: int, context: tuple[int, ...], level: int) -> None:
+        if level == depth:
+            return
+        probs = q(context)
+        for token in np.flatnonzero(probs).tolist():
+            visit(trie.add(node, token, float(probs[token])), context + (token,), level + 1)
+
+    visit(ROOT, prefix, 0)
+    return trie
+
+
+def decode_pairs_sampled(max_nodes: int, q_sent: Callable[[tuple], tuple],
+                         trials: int = TRIALS) -> np.ndarray:
+    """Like decode_pairs, with the drafters' sampled trees (TokenTrie.sampled_tree) and the q
+    they send, through the wire's QRows, verified by the sampled-drafts rule."""
+    draw, verify = np.random.default_rng(30), np.random.default_rng(31)
+    counts = np.zeros((VOCAB, VOCAB), dtype=np.int64)
+    for _ in range(trials):
+        text = PROMPT
+        while len(text) < len(PROMPT) + 2:
+            tree, qs = trie_of(Q, text).sampled_tree(max_nodes, draw)
+            q_rows = QRows(tree, q_sent(qs), VOCAB)
+            text += accept_sampled_drafts(tree, rows(P, text, tree), q_rows, verify, True).tokens
+        counts[text[len(PROMPT)], text[len(PROMPT) + 1]] += 1
+    return counts
+
+
+@pytest.mark.parametrize("max_nodes", [1, 3, 6])
+def test_drafters_sampled_trees_follow_target(max_nodes):
+    """The edge's sampled trees (best-first expansion, widths cut by the budget) with the q they
+    put on the wire are exact under the sampled-drafts rule."""
+    assert_follows_target(decode_pairs_sampled(max_nodes, lambda qs: qs))
+
+
+def test_sampled_trees_sent_with_a_wrong_q_miss_target():
+    flat = lambda qs: tuple(NodeQ(q.node, q.tokens, (1.0,) * len(q.tokens)) for q in qs)  # noqa: E731
+    assert_misses_target(decode_pairs_sampled(3, flat, TEETH_TRIALS))

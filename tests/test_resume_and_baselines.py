@@ -11,6 +11,8 @@ from edge_client.link import LinkError, ServerLink
 from shared.messages import (
     Done, DraftRequest, GenerateRequest, OpenRequest, Opened, Resume, Verdict,
 )
+from shared.acceptance import AcceptanceMode
+from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 
 PROMPT = (5, 6, 7, 8, 5, 6, 7)
@@ -105,6 +107,15 @@ def test_server_side_generation_equals_plain_greedy(tiny_server, tiny_target, dr
         assert forwards == len(tokens) - 1  # one forward per token after the prefill's
     else:
         assert forwards < len(tokens) - 1  # the drafter saved forwards
+
+
+@pytest.mark.parametrize("mode", list(AcceptanceMode)[1:])
+def test_server_side_generation_samples_in_every_mode(tiny_server, mode):
+    open_ = OpenRequest(prompt_ids=PROMPT * 3, max_new_tokens=MAX_NEW,
+                        sampling=SamplingParams(temperature=0.9, seed=5), acceptance=mode)
+    runs = [asyncio.run(server_generate(tiny_server.address, GenerateRequest(open_, "pld")))
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0][0]) == MAX_NEW
 
 
 def test_server_side_generation_refuses_an_unknown_drafter(tiny_server):

@@ -51,22 +51,24 @@ def test_exponential_race_text_is_the_same_whatever_the_drafter(tiny_server, tin
     assert generate(tiny_server.address, "pld", None, other_seed, race).output_ids != expected
 
 
-@pytest.mark.parametrize("mode", [None, AcceptanceMode.TOPK_DRAFTS])
+@pytest.mark.parametrize("mode", [None, AcceptanceMode.TOPK_DRAFTS,
+                                  AcceptanceMode.SAMPLED_DRAFTS])
 def test_seeded_sampling_replays(tiny_server, mode):
     runs = [generate(tiny_server.address, "aded", 8, SAMPLING, mode).output_ids for _ in range(2)]
     assert runs[0] == runs[1]
     assert len(runs[0]) > 0
 
 
-def test_sampling_with_temperature_zero_is_greedy(tiny_server):
-    greedy = generate(tiny_server.address, "pld", 8, SamplingParams(), None).output_ids
-    topk = generate(tiny_server.address, "pld", 8, SamplingParams(seed=3),
-                    AcceptanceMode.TOPK_DRAFTS).output_ids
-    assert greedy == topk
+@pytest.mark.parametrize("mode", [AcceptanceMode.TOPK_DRAFTS, AcceptanceMode.SAMPLED_DRAFTS])
+@pytest.mark.parametrize("drafter", ["pld", "aded"])
+def test_sampling_with_temperature_zero_is_greedy(tiny_server, mode, drafter):
+    greedy = generate(tiny_server.address, drafter, 8, SamplingParams(), None).output_ids
+    sampled = generate(tiny_server.address, drafter, 8, SamplingParams(seed=3), mode)
+    assert sampled.output_ids == greedy
+    assert sampled.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("sampling, mode, words", [
-    (pb.Sampling(temperature=0.8), pb.ACCEPTANCE_MODE_SAMPLED_DRAFTS, "not take yet"),
     (pb.Sampling(temperature=0.8), pb.ACCEPTANCE_MODE_GREEDY, "greedy acceptance"),
     (pb.Sampling(temperature=-1.0), pb.ACCEPTANCE_MODE_UNSPECIFIED, "temperature"),
     (pb.Sampling(temperature=0.8, top_p=1.5), pb.ACCEPTANCE_MODE_UNSPECIFIED, "top_p"),
@@ -103,6 +105,29 @@ def test_stop_strings_and_stop_ids_end_the_generation(tiny_server, tiny_target):
     by_id = asyncio.run(go(stop_token_ids=(full[3],)))
     assert by_id.output_ids == full[: full.index(full[3]) + 1]
     assert by_id.finish_reason.name == "STOP_TOKEN"
+
+
+def test_q_is_refused_outside_sampled_drafts_and_checked_within(tiny_server):
+    import grpc
+
+    draft = pb.ClientMessage(draft=pb.Draft(round_id=1, base_length=len(PROMPT) + 1,
+                                            tokens=[5], parents=[-1]))
+    with_q = pb.ClientMessage()
+    with_q.CopyFrom(draft)
+    with_q.draft.q.add(node=-1, tokens=[5], probs=[1.0])
+    greedy = open_msg(PROMPT)
+    assert_refused(tiny_server.address, [greedy, with_q], grpc.StatusCode.INVALID_ARGUMENT,
+                   "sampled-drafts")
+    sampled = open_msg(PROMPT)
+    sampled.open.sampling.temperature = 0.8
+    sampled.open.acceptance = pb.ACCEPTANCE_MODE_SAMPLED_DRAFTS
+    assert_refused(tiny_server.address, [sampled, draft], grpc.StatusCode.INVALID_ARGUMENT,
+                   "need q")
+    bad = pb.ClientMessage()
+    bad.CopyFrom(with_q)
+    bad.draft.q[0].probs[0] = float("nan")
+    assert_refused(tiny_server.address, [sampled, bad], grpc.StatusCode.INVALID_ARGUMENT,
+                   "not a distribution")
 
 
 def test_bad_stops_are_refused(tiny_server):

@@ -25,10 +25,14 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Hashable, Sequence
 
+import numpy as np
+
 from edge_client.drafters.trie import TokenTrie
+from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
 
 NO_TOKEN = -1  # prev2 before the text's first token
+SAMPLED_SEARCH = 4  # candidate trie for sampled drafts: this many times the node budget
 Key = tuple[int, int]  # (prev2, prev1)
 
 
@@ -71,8 +75,19 @@ class AdedDrafter:
             self.reset(context)  # not a continuation of the learned text: a new generation
         # Learning here, not in observe, also covers the prefill's token that no verdict reports.
         self._learn(context)
-        self._proposed = self._search(context, max_nodes)
+        self._proposed = self._search(context, max_nodes).best_tree(max_nodes)
         return self._proposed
+
+    def propose_sampled(self, context: Sequence[int], max_nodes: int,
+                        rng: np.random.Generator) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """Drafts drawn from q = the n-gram counts after each context (its top_k), normalised,
+        out of a candidate trie searched a few times wider than the budget."""
+        if len(context) < self._learned:
+            self.reset(context)
+        self._learn(context)
+        tree, qs = self._search(context, SAMPLED_SEARCH * max_nodes).sampled_tree(max_nodes, rng)
+        self._proposed = tree
+        return tree, qs
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:
@@ -110,11 +125,13 @@ class AdedDrafter:
         entry.next[token] = entry.next.get(token, 0.0) + 1.0
         entry.step = step
 
-    def _search(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        """Best-first: always expand the candidate with the highest optimistic path value."""
+    def _search(self, context: Sequence[int], max_nodes: int) -> TokenTrie:
+        """Best-first: always expand the candidate with the highest optimistic path value.
+        Siblings' values are proportional to their counts, so each node's children, scores
+        normalised, are the n-gram distribution after it (over its top_k)."""
         trie = TokenTrie()
         if not context:
-            return trie.best_tree(0)
+            return trie
         heap: list[tuple[float, int, int, Key, int]] = []  # (-value, parent, token, key, depth)
         self._push_children(heap, ROOT, context_key(context, len(context)), 1.0, 0)
         while heap and len(trie) < max_nodes:
@@ -122,7 +139,7 @@ class AdedDrafter:
             node = trie.add(parent, token, -neg_value)
             if depth + 1 < self.max_depth:
                 self._push_children(heap, node, (key[1], token), -neg_value, depth + 1)
-        return trie.best_tree(max_nodes)
+        return trie
 
     def _push_children(self, heap: list, parent: int, key: Key, value: float, depth: int) -> None:
         entry = self._trigram.get(key) or self._bigram.get(key[1])

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+import numpy as np
+
+from shared.draft_q import NodeQ
 from shared.tree import DraftTree
 
 
@@ -19,6 +22,11 @@ class Drafter(Protocol):
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
         """A tree of at most `max_nodes` nodes continuing `context` (the committed ids).
         May be empty when the drafter has nothing to offer."""
+
+    def propose_sampled(self, context: Sequence[int], max_nodes: int, rng: np.random.Generator
+                        ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """For acceptance sampled-drafts: a tree whose children were drawn from q without
+        replacement, and for every node with children the q they were drawn from."""
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:

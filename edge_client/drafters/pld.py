@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 from edge_client.drafters.trie import TokenTrie
+from shared.draft_q import NodeQ
 from shared.tree import DraftTree
 
 
@@ -41,6 +44,14 @@ class PromptLookupDrafter:
         self._index(prompt)
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        return self._trie(context).best_tree(max_nodes)
+
+    def propose_sampled(self, context: Sequence[int], max_nodes: int,
+                        rng: np.random.Generator) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """Drafts drawn from q = the matches' evidence for each continuation, normalised."""
+        return self._trie(context).sampled_tree(max_nodes, rng)
+
+    def _trie(self, context: Sequence[int]) -> TokenTrie:
         if len(context) < self._indexed:
             self.reset(context)  # not a continuation of the indexed text: a new generation
         self._index(context)
@@ -50,7 +61,7 @@ class PromptLookupDrafter:
             weight = n * self.recency_decay ** rank
             trie.add_path(continuation,
                           [weight * self.depth_decay ** i for i in range(len(continuation))])
-        return trie.best_tree(max_nodes)
+        return trie
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:

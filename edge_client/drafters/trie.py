@@ -10,7 +10,12 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+import numpy as np
+
+from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
+
+SAMPLED_WIDTHS = (4, 2)  # children drawn per expanded node: at the first level, then deeper
 
 
 class TokenTrie:
@@ -64,6 +69,40 @@ class TokenTrie:
             kept.append(node)
             for child in self._children.get(node, []):
                 heapq.heappush(heap, (-self._scores[child], child))
+        return self._tree(kept)
+
+    def sampled_tree(self, max_nodes: int, rng: np.random.Generator,
+                     widths: tuple[int, int] = SAMPLED_WIDTHS
+                     ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """A tree whose children are draws from q, for acceptance sampled-drafts, and those q.
+
+        A node's q is its trie children's scores, normalised (in float32, as the wire carries
+        them). Nodes are expanded best first by the q-probability of their path (EAGLE-2's
+        dynamic tree); an expanded node draws all its children at once, without replacement
+        (Gumbel top-k), as many as `widths` and the remaining budget allow. That count is fixed
+        before the node draws, never by what it draws: the condition under which recursive
+        rejection sampling over these children stays exact (SpecInfer section 4.3; RSD).
+        """
+        kept: list[int] = []
+        qs: list[NodeQ] = []
+        heap = [(-1.0, ROOT, ROOT)]  # (-path probability, trie node, its index in the tree)
+        while heap and len(kept) < max_nodes:
+            neg_prob, node, index = heapq.heappop(heap)
+            kids = [k for k in self._children.get(node, []) if self._scores[k] > 0]
+            if not kids:
+                continue
+            q = np.array([self._scores[k] for k in kids], dtype=np.float32)  # [k]
+            q /= q.sum()
+            width = min(widths[node != ROOT], len(kids), max_nodes - len(kept))
+            keys = np.log(q.astype(np.float64)) + rng.gumbel(size=len(kids))  # [k]
+            qs.append(NodeQ(index, tuple(self._tokens[k] for k in kids), tuple(map(float, q))))
+            for j in np.argsort(-keys)[:width]:
+                kept.append(kids[j])
+                heapq.heappush(heap, (neg_prob * float(q[j]), kids[j], len(kept) - 1))
+        return self._tree(kept), tuple(qs)
+
+    def _tree(self, kept: list[int]) -> DraftTree:
+        """The kept trie nodes (parents before children) as a DraftTree, in that order."""
         new_index = {node: i for i, node in enumerate(kept)}
         parents = tuple(ROOT if self._parents[n] == ROOT else new_index[self._parents[n]]
                         for n in kept)
