@@ -98,21 +98,30 @@ async def run_split(client: EdgeClient, request: OpenRequest) -> dict:
             "offline_tokens": r.offline_tokens, "corrected_tokens": r.corrected_tokens}
 
 
+async def run_method(client: EdgeClient, method: str, request: OpenRequest,
+                     drafter: str) -> dict:
+    if method == "split":
+        return await run_split(client, request)
+    return await run_server_only(client.link, request,
+                                 drafter if method == "server-spec" else None)
+
+
 async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
     conditions = NetworkConditions.symmetric(PROFILES[profile])
     records = []
     with ProxyThread(address, conditions) as proxy:
         async with EdgeClient(proxy.address, ClientOptions(args.drafter, None,
                                                            args.max_new_tokens)) as client:
+            # A fresh channel's first server stream arrives in bursts (seen here: 200 ms
+            # apart, then smooth); one short run of each method first keeps that out.
+            warm = OpenRequest(chat=(ChatMessage("user", items[0]["prompt"]),), max_new_tokens=4)
+            for method in METHODS:
+                await run_method(client, method, warm, args.drafter)
             for item in items:
                 request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                                       max_new_tokens=args.max_new_tokens)
                 for method in METHODS:
-                    if method == "split":
-                        record = await run_split(client, request)
-                    else:
-                        drafter = args.drafter if method == "server-spec" else None
-                        record = await run_server_only(client.link, request, drafter)
+                    record = await run_method(client, method, request, args.drafter)
                     records.append({"profile": profile, "rtt_ms": conditions.rtt_ms,
                                     "method": method, "id": item["id"], **record})
                     log(f"  {profile:>9} {method:>11} {item['id']:<20} "

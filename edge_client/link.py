@@ -30,9 +30,11 @@ class ServerUnreachable(LinkError):
 @dataclass(frozen=True)
 class LinkConfig:
     connect_timeout_s: float = 5.0
-    # How long a resume waits for the server's answer: a link that is still black-holed shows
-    # here, and the client goes back to waiting offline.
-    resume_timeout_s: float = 3.0
+    # How long one resume attempt waits for the channel to come back and the server to answer.
+    # Long enough to span a typical outage, so the resume goes out the moment the link is back
+    # rather than at the next attempt; a link still down after it sends the client back to
+    # waiting (and drafting) offline.
+    resume_timeout_s: float = 10.0
     # One round includes the server's queue and forward pass; the prefill of a long prompt on
     # a CPU server is the slowest.
     round_timeout_s: float = 60.0
