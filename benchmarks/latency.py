@@ -94,6 +94,7 @@ async def run_split(client: EdgeClient, request: OpenRequest) -> dict:
             "server_calls": r.server_calls, "bytes": r.bytes_up + r.bytes_down,
             "verify_ms": 1000 * r.verify_s, "rounds": r.rounds,
             "hidden_draft_ms": 1000 * r.hidden_draft_s, "draft_ms": 1000 * r.draft_s,
+            "speculations": r.speculations, "speculation_hits": r.speculation_hits,
             "reconnects": r.reconnects, "outage_s": r.outage_s,
             "offline_tokens": r.offline_tokens, "corrected_tokens": r.corrected_tokens}
 
