@@ -155,9 +155,6 @@ def summarize(records: list[dict]) -> list[dict]:
                 verify_s = sum(r["verify_ms"] for r in group) / rounds / 1000
                 row["tau"] = tau
                 row["link_bound"] = tau / (group[0]["rtt_ms"] / 1000 + verify_s)
-                row["hidden_draft_share"] = (sum(r["hidden_draft_ms"] for r in group)
-                                             / max(1e-9, sum(r["hidden_draft_ms"] + r["draft_ms"]
-                                                             for r in group)))
             rows.append(row)
     return rows
 

@@ -38,7 +38,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end the answer with the token that completes STRING (repeatable)")
     p.add_argument("--acceptance", choices=[m.value for m in AcceptanceMode], default=None,
-                   help="verification rule; default: greedy, or topk-drafts when sampling")
+                   help="verification rule; default: greedy, or when sampling the drafter's "
+                        "measured best (topk-drafts for pld and aded)")
     p.add_argument("--network", type=network_conditions, default=None, metavar="SPEC",
                    help="route through a simulated network (shared/netsim.py): "
                         + CONDITIONS_HELP)

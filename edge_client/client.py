@@ -7,7 +7,7 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from edge_client.budget import TreeBudget
-from edge_client.drafters import make_drafter
+from edge_client.drafters import DRAFTERS, make_drafter
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
@@ -25,7 +25,7 @@ class ClientOptions:
     tree_nodes: int | None = None  # None: sized each round from measured costs (budget.py)
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
-    acceptance: AcceptanceMode | None = None  # None: the server's choice
+    acceptance: AcceptanceMode | None = None  # None: greedy, or the drafter's sampling mode
     stop_strings: tuple[str, ...] = ()
     link_policy: LinkPolicy = LinkPolicy()
 
@@ -33,8 +33,14 @@ class ClientOptions:
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
         return OpenRequest(prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
                            chat=chat, max_new_tokens=self.max_new_tokens,
-                           sampling=self.sampling, acceptance=self.acceptance,
+                           sampling=self.sampling, acceptance=self._acceptance(),
                            stop_strings=self.stop_strings)
+
+
+    def _acceptance(self) -> AcceptanceMode | None:
+        if self.acceptance is not None or self.sampling.greedy:
+            return self.acceptance
+        return DRAFTERS[self.drafter].sampling_acceptance
 
 
 class EdgeClient:

@@ -28,6 +28,7 @@ from typing import Hashable, Sequence
 import numpy as np
 
 from edge_client.drafters.trie import TokenTrie
+from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
 
@@ -50,6 +51,8 @@ class _Counts:
 
 class AdedDrafter:
     name = "aded"
+    # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
+    sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
     def __init__(self, max_depth: int = 10, top_k: int = 4, forget: float = 0.997,
                  explore: float = 0.5, min_count: float = 0.01) -> None:

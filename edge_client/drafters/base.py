@@ -9,12 +9,14 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.tree import DraftTree
 
 
 class Drafter(Protocol):
     name: str
+    sampling_acceptance: AcceptanceMode  # the rule used when sampling and none was asked for
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Starts a new generation whose committed text is `prompt`."""

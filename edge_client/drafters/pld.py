@@ -13,6 +13,7 @@ from typing import Sequence
 import numpy as np
 
 from edge_client.drafters.trie import TokenTrie
+from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.tree import DraftTree
 
@@ -27,6 +28,8 @@ class PromptLookupDrafter:
     """
 
     name = "pld"
+    # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
+    sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
     def __init__(self, max_ngram: int = 3, max_matches: int = 8, max_depth: int = 10,
                  recency_decay: float = 0.8, depth_decay: float = 0.9) -> None:
