@@ -30,7 +30,7 @@ class ArtifactKind(enum.Enum):
 @dataclass(frozen=True)
 class Limits:
     max_tree_nodes: int = 128
-    max_tree_depth: int = 32
+    max_tree_depth: int = 64  # an offline stretch of up to 64 tokens is checked in one round
     max_prompt_tokens: int = 4096
     max_new_tokens: int = 2048
     max_sessions: int = 16
