@@ -1,0 +1,40 @@
+"""The trained drafter on disk: `moa.safetensors` (fp16, the trained part only) + `moa_config.json`.
+
+The shared embedding, final norm and LM head are not saved: they are the target's, and are
+attached again from the target model on load (DESIGN 3.1, keep the committed weights small).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cloud_server.moa.config import MoaConfig
+from cloud_server.moa.model import EdgeHalf, ServerHalf
+
+WEIGHTS = "moa.safetensors"
+CONFIG = "moa_config.json"
+
+
+def save_weights(out: Path, config: MoaConfig, server: ServerHalf, edge: EdgeHalf) -> None:
+    tensors = {f"server.{k}": v.detach().half().cpu().contiguous()
+               for k, v in server.state_dict().items()}
+    tensors |= {f"edge.{k}": v.detach().half().cpu().contiguous()
+                for k, v in edge.state_dict().items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / WEIGHTS)
+    config.save(out / CONFIG)
+
+
+def load_drafter(directory: Path, target: torch.nn.Module) -> tuple[MoaConfig, ServerHalf, EdgeHalf]:
+    """Both halves in fp32 on the target's device, eval mode, edge half sharing the target's
+    embedding, final norm and head."""
+    config = MoaConfig.load(directory / CONFIG)
+    tensors = load_file(directory / WEIGHTS)
+    device = next(target.parameters()).device
+    server, edge = ServerHalf(config), EdgeHalf.from_target(config, target)
+    for prefix, module in (("server.", server), ("edge.", edge)):
+        state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+        module.load_state_dict(state)
+    return config, server.to(device).eval(), edge.to(device).eval()
