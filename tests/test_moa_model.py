@@ -26,13 +26,19 @@ def causal_cache(tiny_target, ids: list[int]):
         return tiny_target.model(input_ids=torch.tensor([ids]), use_cache=True).past_key_values
 
 
+def activations(tiny_target, config: MoaConfig, server: ServerHalf, ids: list[int]):
+    """The server half's output for every position of `ids`: [1, len(ids), width]."""
+    return server(batch_layer_kv(causal_cache(tiny_target, ids), config.lsa_layers))
+
+
 def test_sizes_follow_the_target_config(tiny_target):
     config, server, edge = build(tiny_target)
     assert (config.width, config.target_layers, config.target_kv_width) == (64, 2, 64)
+    assert config.lsa_layers == (1,)  # every second layer, ending at the last
     assert all(not name.startswith(("embedding", "head", "final_norm"))
                for name in edge.state_dict())
-    layer_kv = batch_layer_kv(causal_cache(tiny_target, PROMPT))  # [1, n, L, kv_width]
-    assert layer_kv.shape == (1, len(PROMPT), 2, 64)
+    layer_kv = batch_layer_kv(causal_cache(tiny_target, PROMPT), config.lsa_layers)
+    assert layer_kv.shape == (1, len(PROMPT), 1, 64)
     with torch.no_grad():
         assert server(layer_kv).shape == (1, len(PROMPT), 64)
         assert server(layer_kv[0]).shape == (len(PROMPT), 64)
@@ -44,8 +50,9 @@ def test_compacted_cache_holds_causal_kv(tiny_target):
     tiny_target.forward_tree(cache, 30, tree)
     keep_path(cache, len(PROMPT), (1, 2, 3))
     committed = PROMPT + [30, 11, 12, 13]
-    expected = batch_layer_kv(causal_cache(tiny_target, committed))[0]  # [n, L, kv_width]
-    got = layer_kv_from_cache(cache, 0, len(committed))
+    layers = (0, 1)
+    expected = batch_layer_kv(causal_cache(tiny_target, committed), layers)[0]  # [n, L, kvw]
+    got = layer_kv_from_cache(cache, layers, 0, len(committed))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
@@ -54,7 +61,7 @@ def test_incremental_steps_match_whole_sequence(tiny_target):
     config, server, edge = build(tiny_target)
     ids = PROMPT + [30, 11, 12, 13, 14, 15]
     with torch.no_grad():
-        acts = server(batch_layer_kv(causal_cache(tiny_target, ids)))  # [1, T, width]
+        acts = activations(tiny_target, config, server, ids)  # [1, T, width]
         b = last_boundary(len(PROMPT), len(ids), every=3, phase=1)  # [T]
         ca = additive_mask(torch.arange(len(ids))[None] <= b[:, None])[None, None]
         whole = edge(torch.tensor([ids]), acts, causal_mask(len(ids)), ca)[0]  # [T, width]
@@ -74,7 +81,7 @@ def test_tree_masked_queries_match_their_paths(tiny_target):
     tree = DraftTree(tokens=(10, 11, 12, 13, 14), parents=(-1, -1, 0, 1, 3))
     base = len(PROMPT)
     with torch.no_grad():
-        acts = server(batch_layer_kv(causal_cache(tiny_target, PROMPT)))  # [1, base, width]
+        acts = activations(tiny_target, config, server, PROMPT)  # [1, base, width]
         mem = edge.memory_kv(acts, torch.arange(base))
         ctx = torch.tensor([PROMPT])
         nodes = torch.tensor([tree.tokens])

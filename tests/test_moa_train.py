@@ -31,26 +31,31 @@ def test_batched_answers_equal_plain_greedy(tiny_target, samples):
 
 
 def test_loss_goes_down(tiny_target, samples, tmp_path):
-    trainer = Trainer(tiny_target.model, samples, SETTINGS, tmp_path, pad=2)
+    trainer = Trainer(tiny_target.model, samples, SETTINGS, tmp_path, stop_ids=(2,))
     losses = [trainer.train_step(trainer.batch_for(s))["loss"] for s in range(SETTINGS.steps)]
     assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
 
 
 def test_resume_continues_exactly(tiny_target, samples, tmp_path):
-    settings = replace(SETTINGS, steps=4, checkpoint_every=2)
-    straight = Trainer(tiny_target.model, samples, settings, tmp_path / "a", pad=2)
+    """With a sub-vocabulary head, which the saved weights carry."""
+    settings = replace(SETTINGS, steps=4, checkpoint_every=2, draft_vocab=8)
     (tmp_path / "a").mkdir()
-    straight.run()
     (tmp_path / "b").mkdir()
-    first = Trainer(tiny_target.model, samples, replace(settings, steps=2), tmp_path / "b", pad=2)
+    straight = Trainer(tiny_target.model, samples, settings, tmp_path / "a", stop_ids=(2,))
+    straight.run()
+    first = Trainer(tiny_target.model, samples, replace(settings, steps=2), tmp_path / "b",
+                    stop_ids=(2,))
     first.run()
-    resumed = Trainer(tiny_target.model, samples, settings, tmp_path / "b", pad=2)
+    resumed = Trainer(tiny_target.model, samples, settings, tmp_path / "b", stop_ids=(2,))
     resumed.load_checkpoint()
     resumed.run()
     for name, value in straight.edge.state_dict().items():
         torch.testing.assert_close(resumed.edge.state_dict()[name], value)
-    _, server, edge = load_drafter(tmp_path / "b", tiny_target.model)
+    config, server, edge = load_drafter(tmp_path / "b", tiny_target.model)
+    assert config.draft_vocab == 8 and edge.vocab_ids[0] == 2  # the stop token always in
+    torch.testing.assert_close(edge.vocab_ids, resumed.edge.vocab_ids)
     torch.testing.assert_close(server.proj.weight, resumed.server.proj.weight.half().float())
+    torch.testing.assert_close(edge.head, tiny_target.model.lm_head.weight[edge.vocab_ids])
 
 
 def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):

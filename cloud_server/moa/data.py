@@ -47,7 +47,8 @@ def training_prompts() -> list[str]:
     return mixed + longest[min(map(len, sets)):]
 
 
-def encode_prompts(target: TargetModel, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:
+def encode_prompts(target: TargetModel, prompts: list[str],
+                   max_prompt_tokens: int) -> list[list[int]]:
     """Chat-templated ids, dropping prompts longer than `max_prompt_tokens`."""
     encoded = (target.apply_chat_template((ChatMessage("user", p),)) for p in prompts)
     return [ids for ids in encoded if len(ids) <= max_prompt_tokens]

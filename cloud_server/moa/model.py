@@ -44,7 +44,8 @@ class Block(nn.Module):
 
 
 class ServerHalf(nn.Module):
-    """Per-layer K/V of a token -> its activation: [n, L, target_kv_width] -> [n, width]."""
+    """Per-layer K/V of a token -> its activation: [n, L, target_kv_width] -> [n, width],
+    L = len(config.lsa_layers) (the layers `layer_kv_from_cache` picks)."""
 
     def __init__(self, config: MoaConfig) -> None:
         super().__init__()
@@ -55,7 +56,8 @@ class ServerHalf(nn.Module):
                          c.head_dim, c.lsa_intermediate, Rotary(c.head_dim, c.rope_theta),
                          c.rms_eps)
         self.proj = nn.Linear(c.target_kv_width, c.width)
-        self.register_buffer("layer_positions", torch.arange(c.target_layers), persistent=False)
+        self.register_buffer("layer_positions", torch.arange(len(c.lsa_layers)),
+                             persistent=False)
 
     def forward(self, layer_kv: torch.Tensor) -> torch.Tensor:
         """layer_kv: [..., L, target_kv_width] -> activations: [..., width]"""
@@ -68,10 +70,13 @@ class ServerHalf(nn.Module):
 
 class EdgeHalf(nn.Module):
     """Token ids + activation memory -> draft logits. The shared embedding, final norm and head
-    are non-persistent buffers: frozen, and absent from `state_dict()` (the trained part only)."""
+    are non-persistent buffers: frozen, and absent from `state_dict()` (the trained part only).
+
+    With a sub-vocabulary (`config.draft_vocab`), `vocab_ids` [draft_vocab] lists the target
+    token ids the head scores, in head-row order, and is saved with the trained part."""
 
     def __init__(self, config: MoaConfig, embedding: torch.Tensor, final_norm: torch.Tensor,
-                 head: torch.Tensor) -> None:
+                 head: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         c = config
         self.config = c
@@ -83,14 +88,22 @@ class EdgeHalf(nn.Module):
                         rotary, c.rms_eps)
         self.register_buffer("embedding", embedding.detach(), persistent=False)  # [vocab, width]
         self.register_buffer("final_norm", final_norm.detach(), persistent=False)  # [width]
-        self.register_buffer("head", head.detach(), persistent=False)  # [vocab, width]
+        if vocab_ids is None:
+            vocab_ids = torch.arange(c.vocab_size)
+        if vocab_ids.shape != (c.head_size,):
+            raise ValueError(f"vocab_ids has shape {tuple(vocab_ids.shape)}, the config "
+                             f"asks for ({c.head_size},)")
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=bool(c.draft_vocab))
+        head = head.detach()[vocab_ids] if c.draft_vocab else head.detach()
+        self.register_buffer("head", head, persistent=False)  # [head_size, width]
 
     @classmethod
-    def from_target(cls, config: MoaConfig, target: nn.Module) -> "EdgeHalf":
-        """Shares the embedding, final norm and LM head of a transformers causal LM."""
-        norm = target.model.norm
-        head = target.get_output_embeddings().weight
-        return cls(config, target.get_input_embeddings().weight, norm.weight, head)
+    def from_target(cls, config: MoaConfig, target: nn.Module,
+                    vocab_ids: torch.Tensor | None = None) -> "EdgeHalf":
+        """Shares the embedding, final norm and LM head of a transformers causal LM, in fp32."""
+        norm = target.model.norm.weight.float()
+        head = target.get_output_embeddings().weight.float()
+        return cls(config, target.get_input_embeddings().weight.float(), norm, head, vocab_ids)
 
     def memory_kv(self, activations: torch.Tensor,
                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +133,7 @@ class EdgeHalf(nn.Module):
         return h * torch.rsqrt(variance + self.config.rms_eps) * self.final_norm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., width] -> [..., vocab]"""
+        """hidden: [..., width] -> [..., head_size]; column j scores token vocab_ids[j]"""
         return hidden @ self.head.T
 
     def forward(self, ids: torch.Tensor, activations: torch.Tensor, sa_mask: torch.Tensor,
@@ -135,13 +148,13 @@ class EdgeHalf(nn.Module):
                            ca_mask)
 
 
-def layer_kv_from_cache(cache, start: int, end: int) -> torch.Tensor:
+def layer_kv_from_cache(cache, layers: tuple[int, ...], start: int, end: int) -> torch.Tensor:
     """The LSA input of cache positions [start, end), batch row 0: [end - start, L, kv_width].
 
     `cache` is a transformers DynamicCache (one entry per layer with keys/values of shape
-    [batch, kv_heads, seq, hd]); per layer the token's K heads then V heads, flattened."""
-    return torch.stack([_layer_kv(layer.keys[:1], layer.values[:1], start, end)[0]
-                        for layer in cache.layers], dim=1)
+    [batch, kv_heads, seq, hd]); per chosen layer the token's K heads then V heads, flattened."""
+    return torch.stack([_layer_kv(cache.layers[i].keys[:1], cache.layers[i].values[:1], start,
+                                  end)[0] for i in layers], dim=1)
 
 
 def _layer_kv(keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -151,8 +164,8 @@ def _layer_kv(keys: torch.Tensor, values: torch.Tensor, start: int, end: int) ->
     return torch.cat((k, v), dim=-1)
 
 
-def batch_layer_kv(cache) -> torch.Tensor:
+def batch_layer_kv(cache, layers: tuple[int, ...]) -> torch.Tensor:
     """All positions of a batched cache: [batch, seq, L, kv_width] (training)."""
     seq = cache.get_seq_length()
-    return torch.stack([_layer_kv(layer.keys, layer.values, 0, seq) for layer in cache.layers],
-                       dim=2)
+    return torch.stack([_layer_kv(cache.layers[i].keys, cache.layers[i].values, 0, seq)
+                        for i in layers], dim=2)

@@ -35,6 +35,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help="draft head over the N most frequent answer tokens; 0: full vocab")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--seed", type=int, default=d.seed)
     return p.parse_args(argv)
@@ -62,8 +64,9 @@ def main(argv: list[str]) -> int:
     samples = data.load_samples(answers)
     answered = time.monotonic()
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
-                             checkpoint_every=args.checkpoint_every, seed=args.seed)
-    trainer = Trainer(target.model, samples, settings, args.out, pad=target.stop_token_ids()[0])
+                             draft_vocab=args.draft_vocab, checkpoint_every=args.checkpoint_every,
+                             seed=args.seed)
+    trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
     if args.resume and (args.out / CHECKPOINT).exists():
         trainer.load_checkpoint()
         print(f"resumed at step {trainer.step_count}", file=sys.stderr, flush=True)

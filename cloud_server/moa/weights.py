@@ -18,23 +18,31 @@ CONFIG = "moa_config.json"
 
 
 def save_weights(out: Path, config: MoaConfig, server: ServerHalf, edge: EdgeHalf) -> None:
-    tensors = {f"server.{k}": v.detach().half().cpu().contiguous()
-               for k, v in server.state_dict().items()}
-    tensors |= {f"edge.{k}": v.detach().half().cpu().contiguous()
-                for k, v in edge.state_dict().items()}
+    tensors = {f"{prefix}.{k}": _compact(v) for prefix, module in (("server", server),
+                                                                  ("edge", edge))
+               for k, v in module.state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / WEIGHTS)
     config.save(out / CONFIG)
 
 
-def load_drafter(directory: Path, target: torch.nn.Module) -> tuple[MoaConfig, ServerHalf, EdgeHalf]:
+def load_drafter(directory: Path,
+                 target: torch.nn.Module) -> tuple[MoaConfig, ServerHalf, EdgeHalf]:
     """Both halves in fp32 on the target's device, eval mode, edge half sharing the target's
     embedding, final norm and head."""
     config = MoaConfig.load(directory / CONFIG)
     tensors = load_file(directory / WEIGHTS)
     device = next(target.parameters()).device
-    server, edge = ServerHalf(config), EdgeHalf.from_target(config, target)
+    server = ServerHalf(config)
+    edge = EdgeHalf.from_target(config, target, tensors.get("edge.vocab_ids"))
     for prefix, module in (("server.", server), ("edge.", edge)):
-        state = {k[len(prefix):]: v.float() for k, v in tensors.items() if k.startswith(prefix)}
+        state = {k[len(prefix):]: v.float() if v.is_floating_point() else v
+                 for k, v in tensors.items() if k.startswith(prefix)}
         module.load_state_dict(state)
     return config, server.to(device).eval(), edge.to(device).eval()
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """fp16 for weights; index tensors (the sub-vocabulary) as they are."""
+    tensor = tensor.detach().cpu()
+    return (tensor.half() if tensor.is_floating_point() else tensor).contiguous()
