@@ -6,9 +6,10 @@ Two graphs, batch dimension dropped (the edge drafts one text):
   them to its memory once per verdict.
 - `step.onnx`: ids: [q] i64, positions: [q] i64, past_keys, past_values:
   [kv_heads, p, head_dim] (Self-Attention K/V of the tokens the queries may attend to besides
-  themselves), allowed: [q, p + q] bool (tree mask), mem_keys, mem_values -> logits: [q, vocab],
-  top_logprobs, top_ids: [q, top_k], keys, values: [kv_heads, q, head_dim] (the queries' own SA
-  K/V, for the edge to keep or drop).
+  themselves), allowed: [q, p + q] bool (tree mask), mem_keys, mem_values -> logits:
+  [q, head_size] (over the draft head's rows), top_logprobs: [q, top_k] (log q, normalised
+  over the head), top_ids: [q, top_k] (target token ids), keys, values: [kv_heads, q, head_dim]
+  (the queries' own SA K/V, for the edge to keep or drop).
 Knows nothing of how the edge builds trees. Uses torch's TorchScript-based exporter: it needs
 only `onnx`, where the dynamo exporter would pull in onnxscript.
 """
@@ -56,8 +57,9 @@ class StepGraph(nn.Module):
         mask = additive_mask(allowed)[None, None]  # [1, 1, q, p + q]
         hidden = self.edge.hidden(ids[None], positions, all_keys, all_values, mask,
                                   mem_keys[None], mem_values[None], None)  # [1, q, width]
-        logits = self.edge.logits(hidden[0])  # [q, vocab]
-        top_logprobs, top_ids = logits.log_softmax(-1).topk(self.top_k, dim=-1)  # [q, k]
+        logits = self.edge.logits(hidden[0])  # [q, head_size]
+        top_logprobs, top_rows = logits.log_softmax(-1).topk(self.top_k, dim=-1)  # [q, k]
+        top_ids = self.edge.vocab_ids[top_rows]  # [q, k]: target token ids
         return logits, top_logprobs, top_ids, keys[0], values[0]
 
 
