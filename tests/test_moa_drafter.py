@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.moa_tau import split_greedy
 from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
-from cloud_server.target import keep_path
 from edge_client.drafters.moa import MoaDrafter
-from shared.acceptance import accept_greedy
 from shared.tree import DraftTree
 
 PROMPT = [1, 46, 47, 48, 49]
@@ -50,32 +49,14 @@ def test_greedy_drafts_match_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
     assert again == tree
 
 
-def split_greedy(target, server, drafter, prompt: list[int], max_new: int, max_nodes: int):
-    """Split decoding in-process: returns (new tokens, tokens per round)."""
-    cache, logits = target.prefill(prompt)
-    drafter.reset(prompt)
-    drafter.add_activations(0, server(cache, 0, len(prompt)))
-    committed, per_round = list(prompt) + [int(logits.argmax())], []
-    while len(committed) - len(prompt) < max_new:
-        base = len(committed) - 1  # the pending token is not in the cache yet
-        tree = drafter.propose(committed, max_nodes)
-        target_logits = target.forward_tree(cache, committed[-1], tree)  # [1 + n, vocab]
-        acceptance = accept_greedy(tree, target_logits.argmax(-1).numpy())
-        keep_path(cache, base, acceptance.accepted_nodes)
-        drafter.add_activations(base, server(cache, base, cache.get_seq_length()))
-        committed += acceptance.tokens
-        per_round.append(len(acceptance.tokens))
-    return committed[len(prompt):max_new + len(prompt)], per_round
-
-
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 def test_split_decoding_with_moa_equals_plain_greedy(tiny_target, tiny_drafter_dir, tiny_bundle,
                                                      precision):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     drafter = MoaDrafter(tiny_bundle, precision=precision, max_depth=6, beam=4, branch=4)
-    out, per_round = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
-    assert out == plain_greedy(tiny_target, PROMPT, 32)[:len(out)]
-    assert sum(per_round) / len(per_round) > 1.5, per_round  # drafts do get accepted
+    log = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
+    assert log.tokens == plain_greedy(tiny_target, PROMPT, len(log.tokens))
+    assert sum(log.per_round) / len(log.per_round) > 1.5, log.per_round  # drafts get accepted
 
 
 def test_activations_are_fp16_rows_of_width(tiny_target, tiny_drafter_dir):

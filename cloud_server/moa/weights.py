@@ -2,6 +2,7 @@
 
 The shared embedding, final norm and LM head are not saved: they are the target's, and are
 attached again from the target model on load (DESIGN 3.1, keep the committed weights small).
+Drafters trained for a target ship in `trained/<model id>/` (`committed_drafter`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,13 @@ from cloud_server.moa.model import EdgeHalf, ServerHalf
 
 WEIGHTS = "moa.safetensors"
 CONFIG = "moa_config.json"
+TRAINED = Path(__file__).resolve().parent / "trained"  # committed drafters, one dir per model id
+
+
+def committed_drafter(model_id: str) -> Path | None:
+    """The drafter committed to the repo for a target model id, if there is one."""
+    directory = TRAINED / model_id
+    return directory if (directory / WEIGHTS).is_file() else None
 
 
 def save_weights(out: Path, config: MoaConfig, server: ServerHalf, edge: EdgeHalf) -> None:
