@@ -16,6 +16,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -111,7 +112,10 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64)
     p.add_argument("--max-depth", type=int, default=8)
-    p.add_argument("--precision", choices=("int8", "fp32"), default="int8")
+    p.add_argument("--precision", choices=("int8", "fp32"), default="int8",
+                   help="the edge graphs' weights")
+    p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
+                   help="the activations' wire encoding, applied as a round trip")
     args = p.parse_args()
     run(args)
 
@@ -129,6 +133,8 @@ def run(args: argparse.Namespace) -> None:
     bundle = build_bundle(args.drafter, target.model, target.model_id,
                           cache_root() / "moa-bundles", target.tokenizer_json())
     server = ServerActivations.load(args.drafter, target.model)
+    if args.activations == "int8":
+        server = _int8_round_trip(server)
     drafter = MoaDrafter(bundle, precision=args.precision, max_depth=args.max_depth)
     rows, per_set, all_rounds, depth_hits = [], {}, [], np.zeros(args.max_depth + 1)
     for name in evaluation.SETS:
@@ -157,7 +163,8 @@ def run(args: argparse.Namespace) -> None:
     header = ("set", "prompts", "tokens", "rounds", "tau", "draft ms/round", "verify ms/round",
               "server half ms/round", "= plain greedy")
     accept = ", ".join(f"{h / len(all_rounds):.2f}" for h in depth_hits[1:args.max_depth + 1])
-    text = (f"MoA drafter {args.drafter.name} ({args.precision}), greedy, tree <= "
+    text = (f"MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "
+            f"activations), greedy, tree <= "
             f"{args.max_nodes} nodes, depth <= {args.max_depth}, {args.max_new_tokens} new "
             f"tokens; {machine()}\n\n{markdown_table(header, rows)}\n\n"
             f"mean tau {sum(all_rounds) / len(all_rounds):.2f}; P(at least d drafts accepted), "
@@ -172,6 +179,12 @@ def run(args: argparse.Namespace) -> None:
                                                       "plain_step_ms": plain_ms}, indent=1))
     grouped_bars(RESULTS / "moa_tau.png", list(per_set), {"MoA": list(per_set.values())},
                  "tau (tokens per round)", "MoA drafter, greedy, offline (moa_tau.py)")
+
+
+def _int8_round_trip(server: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
+    from shared.activation_codec import from_int8, to_int8
+
+    return lambda cache, start, end: from_int8(*to_int8(server(cache, start, end)))
 
 
 if __name__ == "__main__":

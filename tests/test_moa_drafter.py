@@ -72,3 +72,15 @@ def test_drafter_needs_activations_and_rejects_gaps(tiny_bundle):
     assert len(drafter.propose(PROMPT, 8)) == 0  # nothing verified yet: nothing to offer
     with pytest.raises(ValueError):
         drafter.add_activations(2, np.zeros((1, drafter.width), np.float16))
+
+
+def test_int8_activations_round_trip_closely(tiny_target, tiny_drafter_dir):
+    from shared.activation_codec import from_int8, to_int8
+
+    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
+    cache, _ = tiny_target.prefill(PROMPT)
+    acts = server(cache, 0, len(PROMPT), dtype=np.float32)  # [n, width]
+    values, scales = to_int8(acts)
+    assert values.dtype == np.int8 and scales.dtype == np.float16
+    error = np.abs(from_int8(values, scales) - acts).max(axis=1)  # [n]
+    assert (error <= 0.6 * np.abs(acts).max(axis=1) / 127 + 1e-6).all()

@@ -65,9 +65,9 @@ def rank_vocab(samples: list[Sample], size: int, keep: tuple[int, ...]) -> torch
 
 
 def make_batches(samples: list[Sample], settings: TrainSettings, epoch: int) -> list[list[int]]:
-    """Sample indices per batch: similar lengths together, batch order shuffled per epoch."""
-    rng = random.Random(settings.seed * 1000 + epoch)
-    order = sorted(range(len(samples)), key=lambda i: (_length(samples[i], settings), rng.random()))
+    """Sample indices per batch: similar lengths together (the same batches every epoch), in an
+    order shuffled per epoch."""
+    order = sorted(range(len(samples)), key=lambda i: (_length(samples[i], settings), i))
     batches, current = [], []
     for i in order:  # ascending length: the newest sample sets the padded width
         if current and _length(samples[i], settings) * (len(current) + 1) > settings.batch_tokens:
@@ -75,7 +75,7 @@ def make_batches(samples: list[Sample], settings: TrainSettings, epoch: int) -> 
             current = []
         current.append(i)
     batches.append(current)
-    rng.shuffle(batches)
+    random.Random(settings.seed * 1000 + epoch).shuffle(batches)
     return batches
 
 
@@ -158,7 +158,7 @@ class Trainer:
 
     def _batches(self, epoch: int) -> list[list[int]]:
         if epoch not in self._epochs:
-            self._epochs = {epoch: make_batches(self.samples, self.settings, epoch)}
+            self._epochs[epoch] = make_batches(self.samples, self.settings, epoch)
         return self._epochs[epoch]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
