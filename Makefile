@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install proto bench clean
+.PHONY: demo test install proto bench clean train-drafter bench-moa
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
@@ -31,3 +31,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# The MoA drafter: train it for the default target (about an hour on a 2-core CPU), measure tau offline.
+train-drafter: $(STAMP)
+	$(PY) -m cloud_server.cli train-drafter --out runs/moa
+
+bench-moa: $(STAMP)
+	$(PY) -m benchmarks.moa_tau --drafter cloud_server/moa/trained/SmolLM2-135M-Instruct --per-set 2

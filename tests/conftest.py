@@ -28,3 +28,27 @@ def tiny_server(tiny_target):
                     max_new_tokens=64, max_sessions=4, session_idle_timeout_s=5)
     with ServerThread(tiny_target, limits) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head)."""
+    from cloud_server.moa.data import Sample, answer_batch
+    from cloud_server.moa.train import Trainer, TrainSettings
+
+    prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
+    answers = answer_batch(tiny_target, prompts, max_new_tokens=32)
+    samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
+    out = tmp_path_factory.mktemp("tiny-moa")
+    settings = TrainSettings(steps=80, batch_tokens=256, lr=3e-3, warmup=5, draft_vocab=200,
+                             checkpoint_every=1000)
+    Trainer(tiny_target.model, samples, settings, out, stop_ids=(2,)).run()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny_target, tiny_drafter_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    from cloud_server.moa.bundle import build_bundle
+
+    return build_bundle(tiny_drafter_dir, tiny_target.model, "tiny-llama",
+                        tmp_path_factory.mktemp("bundles"), tiny_target.tokenizer_json())

@@ -1,0 +1,83 @@
+"""The drafter bundle the server offers to edges: ONNX graphs (fp32 and int8) + config + tokenizer.
+
+A directory `moa-<model id>-<sha256[:12]>/` holding
+    bundle.json        format, model id, MoaConfig, top_k, and each file's sha256 and role
+    memory.onnx, step.onnx            fp32 (export.py)
+    memory.int8.onnx, step.int8.onnx  dynamic int8 (onnxruntime.quantization)
+    tokenizer.json                    the target's tokenizer, when given
+The name's hash is the sha256 of bundle.json, which lists every file's sha256, so one hash
+names the whole bundle. `archive` packs it as a deterministic tar (the bytes a fetch sends and
+the sha256 an Info lists); edge_client/drafters/moa_bundle.py unpacks and checks it.
+Built by the server from the committed trained part plus the target's shared weights.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import shutil
+import tarfile
+import tempfile
+from pathlib import Path
+
+import torch
+
+from cloud_server.moa.export import MEMORY, STEP, TOP_K, export_edge, quantize_int8
+from cloud_server.moa.weights import load_drafter
+
+BUNDLE_FORMAT = 1
+MANIFEST = "bundle.json"
+TOKENIZER = "tokenizer.json"
+INT8 = {MEMORY: "memory.int8.onnx", STEP: "step.int8.onnx"}
+
+
+def build_bundle(drafter_dir: Path, target: torch.nn.Module, model_id: str, out_root: Path,
+                 tokenizer_json: bytes | None = None, top_k: int = TOP_K) -> Path:
+    """Exports, quantizes and writes the bundle under `out_root`; returns its directory (reused
+    when a bundle with the same content exists)."""
+    config, _, edge = load_drafter(drafter_dir, target)
+    out_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out_root, prefix=".building-"))
+    try:
+        export_edge(edge, staging, top_k)
+        for fp32, int8 in INT8.items():
+            quantize_int8(staging / fp32, staging / int8)
+        if tokenizer_json is not None:
+            (staging / TOKENIZER).write_bytes(tokenizer_json)
+        files = {p.name: _sha256(p.read_bytes()) for p in sorted(staging.iterdir())}
+        manifest = {"format": BUNDLE_FORMAT, "model_id": model_id, "top_k": top_k,
+                    "config": config.to_dict(), "files": files,
+                    "graphs": {"fp32": {"memory": MEMORY, "step": STEP},
+                               "int8": {"memory": INT8[MEMORY], "step": INT8[STEP]}}}
+        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+        (staging / MANIFEST).write_text(text)
+        final = out_root / f"moa-{_safe(model_id)}-{_sha256(text.encode())[:12]}"
+        if final.exists():
+            shutil.rmtree(staging)
+        else:
+            staging.rename(final)
+        return final
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def archive(bundle_dir: Path) -> bytes:
+    """A deterministic uncompressed tar of the bundle (ONNX weights barely compress)."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for path in sorted(bundle_dir.iterdir()):
+            info = tarfile.TarInfo(f"{bundle_dir.name}/{path.name}")
+            info.size = path.stat().st_size
+            info.mode = 0o644
+            with path.open("rb") as f:
+                tar.addfile(info, f)
+    return buffer.getvalue()
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _safe(model_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in model_id)

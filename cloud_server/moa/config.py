@@ -1,0 +1,85 @@
+"""Sizes of the MoA drafter, read from the target's transformers config; saved as JSON.
+
+The JSON is also what the edge reads from the bundle (edge_client/drafters/moa.py), so it holds
+plain numbers only. Defaults follow DESIGN section 3.1: the edge's Self-Attention and
+Cross-Attention blocks are each the size of one target layer, and the server's Layer
+Self-Attention works at the width of one layer's K and V (2 * kv_heads * head_dim).
+`draft_vocab` optionally restricts the draft head to the most frequent tokens of the target's
+own answers (DESIGN 3.1): the head is most of the edge's work and of training's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class MoaConfig:
+    vocab_size: int
+    width: int  # the target's hidden size: token embeddings, activations, final norm input
+    target_layers: int  # the target's layer count
+    lsa_layers: tuple[int, ...]  # target layers whose K/V the LSA reads: its sequence
+    target_kv_width: int  # one token's K and V of one layer: 2 * kv_heads * head_dim
+    heads: int  # SA and CA query heads
+    kv_heads: int  # SA and CA key/value heads (grouped-query attention)
+    head_dim: int
+    intermediate: int  # SA and CA MLP width
+    lsa_heads: int  # LSA heads of head_dim each, over target_kv_width
+    lsa_intermediate: int
+    rope_theta: float
+    rms_eps: float
+    draft_vocab: int = 0  # size of the frequency-ranked sub-vocabulary head; 0: the full vocab
+    format_version: int = FORMAT_VERSION
+
+    @classmethod
+    def from_target(cls, config, intermediate: int | None = None,
+                    lsa_intermediate: int | None = None, draft_vocab: int = 0,
+                    lsa_stride: int = 2) -> "MoaConfig":
+        """Sizes for any Llama-like transformers config (hidden_size, num_*_heads, ...).
+
+        The LSA reads every `lsa_stride`-th layer counting down from the last: on this CPU the
+        LSA over all 30 layers of SmolLM2 cost more than the rest of a training step."""
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        kv_width = 2 * kv_heads * head_dim
+        layers = config.num_hidden_layers
+        rope = getattr(config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return cls(vocab_size=config.vocab_size, width=config.hidden_size,
+                   target_layers=layers, target_kv_width=kv_width,
+                   lsa_layers=tuple(range(layers - 1, -1, -lsa_stride))[::-1],
+                   heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                   intermediate=intermediate or config.intermediate_size,
+                   lsa_heads=kv_width // head_dim,
+                   lsa_intermediate=lsa_intermediate or kv_width,
+                   rope_theta=float(theta), rms_eps=float(config.rms_norm_eps),
+                   draft_vocab=draft_vocab if 0 < draft_vocab < config.vocab_size else 0)
+
+    @property
+    def head_size(self) -> int:
+        """Rows of the draft head: the sub-vocabulary, or the whole vocabulary."""
+        return self.draft_vocab or self.vocab_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "MoaConfig":
+        if data.get("format_version") != FORMAT_VERSION:
+            raise ValueError(f"MoA config format {data.get('format_version')} is not "
+                             f"{FORMAT_VERSION}: re-export the drafter")
+        names = {f.name for f in dataclasses.fields(cls)}
+        fields = {k: v for k, v in data.items() if k in names}
+        return cls(**fields | {"lsa_layers": tuple(fields["lsa_layers"])})
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "MoaConfig":
+        return cls.from_dict(json.loads(path.read_text()))

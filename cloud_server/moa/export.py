@@ -1,0 +1,107 @@
+"""The edge half as ONNX graphs whose K/V state lives outside them (DESIGN 3.1, issue 3 item 4).
+
+Two graphs, batch dimension dropped (the edge drafts one text):
+- `memory.onnx`: activations: [m, width] f32, positions: [m] i64 -> mem_keys, mem_values:
+  [kv_heads, m, head_dim], the Cross-Attention K/V of newly verified positions. The edge appends
+  them to its memory once per verdict.
+- `step.onnx`: ids: [q] i64, positions: [q] i64, past_keys, past_values:
+  [kv_heads, p, head_dim] (Self-Attention K/V of the tokens the queries may attend to besides
+  themselves), allowed: [q, p + q] bool (tree mask), mem_keys, mem_values -> logits:
+  [q, head_size] (over the draft head's rows), top_logprobs: [q, top_k] (log q, normalised
+  over the head), top_ids: [q, top_k] (target token ids), keys, values: [kv_heads, q, head_dim]
+  (the queries' own SA K/V, for the edge to keep or drop).
+Knows nothing of how the edge builds trees. Uses torch's TorchScript-based exporter: it needs
+only `onnx`, where the dynamo exporter would pull in onnxscript.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from cloud_server.moa.layers import additive_mask
+from cloud_server.moa.model import EdgeHalf
+
+MEMORY = "memory.onnx"
+STEP = "step.onnx"
+OPSET = 17
+TOP_K = 8
+
+
+class MemoryGraph(nn.Module):
+    def __init__(self, edge: EdgeHalf) -> None:
+        super().__init__()
+        self.edge = edge
+
+    def forward(self, activations: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """activations: [m, width], positions: [m] -> keys, values: [kv_heads, m, hd]"""
+        keys, values = self.edge.memory_kv(activations[None], positions)
+        return keys[0], values[0]
+
+
+class StepGraph(nn.Module):
+    def __init__(self, edge: EdgeHalf, top_k: int) -> None:
+        super().__init__()
+        self.edge, self.top_k = edge, top_k
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor,
+                past_values: torch.Tensor, allowed: torch.Tensor, mem_keys: torch.Tensor,
+                mem_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """See the module docstring for shapes."""
+        keys, values = self.edge.sa_kv(ids[None], positions)  # [1, kvh, q, hd]
+        all_keys = torch.cat((past_keys[None], keys), dim=2)  # [1, kvh, p + q, hd]
+        all_values = torch.cat((past_values[None], values), dim=2)  # [1, kvh, p + q, hd]
+        mask = additive_mask(allowed)[None, None]  # [1, 1, q, p + q]
+        hidden = self.edge.hidden(ids[None], positions, all_keys, all_values, mask,
+                                  mem_keys[None], mem_values[None], None)  # [1, q, width]
+        logits = self.edge.logits(hidden[0])  # [q, head_size]
+        top_logprobs, top_rows = logits.log_softmax(-1).topk(self.top_k, dim=-1)  # [q, k]
+        top_ids = self.edge.vocab_ids[top_rows]  # [q, k]: target token ids
+        return logits, top_logprobs, top_ids, keys[0], values[0]
+
+
+def example_inputs(edge: EdgeHalf) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Small inputs with distinct sizes for every dynamic axis (memory, step)."""
+    c = edge.config
+    q, p, m = 3, 5, 4
+    memory = (torch.randn(m, c.width), torch.arange(m))
+    step = (torch.randint(0, c.vocab_size, (q,)), torch.arange(p, p + q),
+            torch.randn(c.kv_heads, p, c.head_dim), torch.randn(c.kv_heads, p, c.head_dim),
+            torch.ones(q, p + q, dtype=torch.bool), torch.randn(c.kv_heads, m, c.head_dim),
+            torch.randn(c.kv_heads, m, c.head_dim))
+    return memory, step
+
+
+def export_edge(edge: EdgeHalf, out: Path, top_k: int = TOP_K) -> None:
+    """Writes MEMORY and STEP (fp32) into `out`."""
+    edge = edge.float().cpu().eval()
+    memory_args, step_args = example_inputs(edge)
+    out.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings():  # the TorchScript exporter's deprecation notice
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.onnx.export(
+            MemoryGraph(edge), memory_args, str(out / MEMORY), dynamo=False, opset_version=OPSET,
+            input_names=["activations", "positions"], output_names=["mem_keys", "mem_values"],
+            dynamic_axes={"activations": {0: "m"}, "positions": {0: "m"},
+                          "mem_keys": {1: "m"}, "mem_values": {1: "m"}})
+        torch.onnx.export(
+            StepGraph(edge, top_k), step_args, str(out / STEP), dynamo=False, opset_version=OPSET,
+            input_names=["ids", "positions", "past_keys", "past_values", "allowed", "mem_keys",
+                         "mem_values"],
+            output_names=["logits", "top_logprobs", "top_ids", "keys", "values"],
+            dynamic_axes={"ids": {0: "q"}, "positions": {0: "q"}, "past_keys": {1: "p"},
+                          "past_values": {1: "p"}, "allowed": {0: "q", 1: "pq"},
+                          "mem_keys": {1: "m"}, "mem_values": {1: "m"}, "logits": {0: "q"},
+                          "top_logprobs": {0: "q"}, "top_ids": {0: "q"}, "keys": {1: "q"},
+                          "values": {1: "q"}})
+
+
+def quantize_int8(source: Path, dest: Path) -> None:
+    """Dynamic int8 quantization of MatMul weights and the embedding Gather (onnxruntime)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(str(source), str(dest), weight_type=QuantType.QInt8,
+                     op_types_to_quantize=["MatMul", "Gather"])

@@ -1,0 +1,171 @@
+"""The two halves of the Mixture-of-Attentions drafter (Zimmer et al., arXiv 2410.03804).
+
+Knows nothing of training, sessions or the wire. Section 3 of the paper, split per DESIGN 3.1:
+
+- `ServerHalf`: Layer Self-Attention (paper 3.1, "LSA") over one token's per-layer K and V of the
+  target, treated as a sequence of `target_layers` entries, then a mean over layers and a
+  projection to the target's width. Input: K and V rather than hidden states because after
+  verification the server already holds exactly the committed tokens' K/V in its compacted
+  cache (cloud_server/target.py keep_path): the activations cost no extra target work and no
+  hooks, and the tree forward's K/V of an accepted node equal a causal forward's (a token's K/V
+  depend on its ancestors only), so what the server computes matches what training saw.
+- `EdgeHalf`: Self-Attention over the target's token embeddings (causal, or tree-masked while
+  drafting), Cross-Attention (paper 3.2) whose keys and values come from the activations of
+  verified positions only, then the target's final norm and LM head, frozen and shared.
+
+RoPE: LSA uses positions 0..L-1 over layers with a full mask; SA and CA use absolute token
+positions on both queries and memory keys, as in the paper's code.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cloud_server.moa.config import MoaConfig
+from cloud_server.moa.layers import Attention, RMSNorm, Rotary, SwiGLU
+
+
+class Block(nn.Module):
+    """A pre-norm attention + MLP block; K/V come from `memory` (itself for self-attention)."""
+
+    def __init__(self, width: int, memory_width: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, rotary: Rotary, eps: float) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(width, eps)
+        self.attn = Attention(width, memory_width, heads, kv_heads, head_dim, rotary)
+        self.mlp_norm = RMSNorm(width, eps)
+        self.mlp = SwiGLU(width, intermediate)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: [batch, n, width]; keys, values: [batch, kv_heads, m, hd] -> [batch, n, width]"""
+        h = x + self.attn(self.attn_norm(x), positions, keys, values, mask)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class ServerHalf(nn.Module):
+    """Per-layer K/V of a token -> its activation: [n, L, target_kv_width] -> [n, width],
+    L = len(config.lsa_layers) (the layers `layer_kv_from_cache` picks)."""
+
+    def __init__(self, config: MoaConfig) -> None:
+        super().__init__()
+        c = config
+        # Layers' K/V differ in scale by orders of magnitude; normalise before mixing them.
+        self.in_norm = RMSNorm(c.target_kv_width, c.rms_eps)
+        self.lsa = Block(c.target_kv_width, c.target_kv_width, c.lsa_heads, c.lsa_heads,
+                         c.head_dim, c.lsa_intermediate, Rotary(c.head_dim, c.rope_theta),
+                         c.rms_eps)
+        self.proj = nn.Linear(c.target_kv_width, c.width)
+        self.register_buffer("layer_positions", torch.arange(len(c.lsa_layers)),
+                             persistent=False)
+
+    def forward(self, layer_kv: torch.Tensor) -> torch.Tensor:
+        """layer_kv: [..., L, target_kv_width] -> activations: [..., width]"""
+        lead = layer_kv.shape[:-2]
+        x = self.in_norm(layer_kv.flatten(0, -3))  # [n, L, kv_width]
+        keys, values = self.lsa.attn.project_kv(self.lsa.attn_norm(x), self.layer_positions)
+        x = self.lsa(x, self.layer_positions, keys, values, None)  # [n, L, kv_width]
+        return self.proj(x.mean(1)).unflatten(0, lead)  # [..., width]
+
+
+class EdgeHalf(nn.Module):
+    """Token ids + activation memory -> draft logits. The shared embedding, final norm and head
+    are non-persistent buffers: frozen, and absent from `state_dict()` (the trained part only).
+
+    With a sub-vocabulary (`config.draft_vocab`), `vocab_ids` [draft_vocab] lists the target
+    token ids the head scores, in head-row order, and is saved with the trained part."""
+
+    def __init__(self, config: MoaConfig, embedding: torch.Tensor, final_norm: torch.Tensor,
+                 head: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        rotary = Rotary(c.head_dim, c.rope_theta)
+        self.sa = Block(c.width, c.width, c.heads, c.kv_heads, c.head_dim, c.intermediate,
+                        rotary, c.rms_eps)
+        self.memory_norm = RMSNorm(c.width, c.rms_eps)
+        self.ca = Block(c.width, c.width, c.heads, c.kv_heads, c.head_dim, c.intermediate,
+                        rotary, c.rms_eps)
+        self.register_buffer("embedding", embedding.detach(), persistent=False)  # [vocab, width]
+        self.register_buffer("final_norm", final_norm.detach(), persistent=False)  # [width]
+        if vocab_ids is None:
+            vocab_ids = torch.arange(c.vocab_size)
+        if vocab_ids.shape != (c.head_size,):
+            raise ValueError(f"vocab_ids has shape {tuple(vocab_ids.shape)}, the config "
+                             f"asks for ({c.head_size},)")
+        self.register_buffer("vocab_ids", vocab_ids.long(), persistent=bool(c.draft_vocab))
+        head = head.detach()[vocab_ids] if c.draft_vocab else head.detach()
+        self.register_buffer("head", head, persistent=False)  # [head_size, width]
+
+    @classmethod
+    def from_target(cls, config: MoaConfig, target: nn.Module,
+                    vocab_ids: torch.Tensor | None = None) -> "EdgeHalf":
+        """Shares the embedding, final norm and LM head of a transformers causal LM, in fp32."""
+        norm = target.model.norm.weight.float()
+        head = target.get_output_embeddings().weight.float()
+        return cls(config, target.get_input_embeddings().weight.float(), norm, head, vocab_ids)
+
+    def memory_kv(self, activations: torch.Tensor,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """activations: [batch, m, width], positions: [m] -> CA keys, values:
+        [batch, kv_heads, m, hd]. Computed once per verified token and kept by the edge."""
+        return self.ca.attn.project_kv(self.memory_norm(activations), positions)
+
+    def sa_kv(self, ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: [batch, q] -> SA keys, values of these tokens: [batch, kv_heads, q, hd]"""
+        x = self.embedding[ids]  # [batch, q, width]
+        return self.sa.attn.project_kv(self.sa.attn_norm(x), positions)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, sa_keys: torch.Tensor,
+               sa_values: torch.Tensor, sa_mask: torch.Tensor, mem_keys: torch.Tensor,
+               mem_values: torch.Tensor, ca_mask: torch.Tensor | None) -> torch.Tensor:
+        """The normed output of q query tokens.
+
+        ids, positions: [batch, q]/[q]; sa_keys, sa_values: [batch, kv_heads, p, hd] including
+        the queries' own (from `sa_kv`); sa_mask: [batch or 1, 1, q, p] additive;
+        mem_keys, mem_values: [batch, kv_heads, m, hd]; ca_mask: [batch or 1, 1, q, m] or None
+        (every memory entry visible) -> [batch, q, width], the input of the LM head."""
+        x = self.embedding[ids]  # [batch, q, width]
+        h = self.sa(x, positions, sa_keys, sa_values, sa_mask)  # [batch, q, width]
+        h = self.ca(h, positions, mem_keys, mem_values, ca_mask)  # [batch, q, width]
+        variance = h.pow(2).mean(-1, keepdim=True)  # [batch, q, 1]
+        return h * torch.rsqrt(variance + self.config.rms_eps) * self.final_norm
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., width] -> [..., head_size]; column j scores token vocab_ids[j]"""
+        return hidden @ self.head.T
+
+    def forward(self, ids: torch.Tensor, activations: torch.Tensor, sa_mask: torch.Tensor,
+                ca_mask: torch.Tensor) -> torch.Tensor:
+        """Training: whole sequences at once. ids: [batch, T]; activations: [batch, T, width]
+        of the same positions; sa_mask: [1, 1, T, T]; ca_mask: [batch, 1, T, T] (which
+        positions' activations each query may see) -> normed hidden: [batch, T, width]"""
+        positions = torch.arange(ids.shape[1], device=ids.device)  # [T]
+        sa_keys, sa_values = self.sa_kv(ids, positions)
+        mem_keys, mem_values = self.memory_kv(activations, positions)
+        return self.hidden(ids, positions, sa_keys, sa_values, sa_mask, mem_keys, mem_values,
+                           ca_mask)
+
+
+def layer_kv_from_cache(cache, layers: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+    """The LSA input of cache positions [start, end), batch row 0: [end - start, L, kv_width].
+
+    `cache` is a transformers DynamicCache (one entry per layer with keys/values of shape
+    [batch, kv_heads, seq, hd]); per chosen layer the token's K heads then V heads, flattened."""
+    return torch.stack([_layer_kv(cache.layers[i].keys[:1], cache.layers[i].values[:1], start,
+                                  end)[0] for i in layers], dim=1)
+
+
+def _layer_kv(keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """keys, values: [batch, kv_heads, seq, hd] -> [batch, end - start, 2 * kv_heads * hd]"""
+    k = keys[:, :, start:end].transpose(1, 2).flatten(-2)  # [batch, n, kv_heads * hd]
+    v = values[:, :, start:end].transpose(1, 2).flatten(-2)  # [batch, n, kv_heads * hd]
+    return torch.cat((k, v), dim=-1)
+
+
+def batch_layer_kv(cache, layers: tuple[int, ...]) -> torch.Tensor:
+    """All positions of a batched cache: [batch, seq, L, kv_width] (training)."""
+    seq = cache.get_seq_length()
+    return torch.stack([_layer_kv(cache.layers[i].keys, cache.layers[i].values, 0, seq)
+                        for i in layers], dim=2)

@@ -1,0 +1,221 @@
+"""Self-distillation of the MoA drafter from the frozen target (paper section 4, DESIGN 3.1).
+
+Per batch: the target runs once over prompt + its own answer (no grad) and gives every
+position's per-layer K/V (the server half's input) and its last hidden state after the final
+norm. The server half turns the K/V into activations, the edge half reads the token embeddings
+and the activations up to a random verified boundary (boundaries.py), and the loss is
+
+    kl_weight * KL(p || q) + feature_weight * SmoothL1(h_drafter, h_target)
+
+over answer positions, where p and q are the target's and the drafter's next-token
+distributions through the same shared head (the paper weighs its cross-entropy 0.1 and its
+feature loss 1; here both weigh 1 by default because acceptance is judged on the argmax).
+Knows nothing of where the samples come from (data.py) or of the command line (train_cli.py).
+"""
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cloud_server.moa.boundaries import causal_mask, cross_mask
+from cloud_server.moa.config import MoaConfig
+from cloud_server.moa.data import Sample
+from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv
+from cloud_server.moa.weights import save_weights
+
+CHECKPOINT = "checkpoint.pt"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 1200  # ~1.5 s each for SmolLM2 on 2 free CPU cores
+    batch_tokens: int = 1024  # padded tokens per batch (prompt + answer)
+    max_len: int = 416  # a sequence is cut to this many tokens
+    lr: float = 1e-3
+    warmup: int = 30
+    kl_weight: float = 1.0
+    feature_weight: float = 1.0
+    draft_vocab: int = 8192  # sub-vocabulary head size (0 or >= the vocab: the full head)
+    checkpoint_every: int = 50
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Batch:
+    ids: torch.Tensor  # [batch, T], right-padded
+    attention: torch.Tensor  # [batch, T], 1 on real tokens
+    select: torch.Tensor  # [batch, T] bool: positions whose next token is an answer token
+    prompt_lens: list[int]
+
+
+def rank_vocab(samples: list[Sample], size: int, keep: tuple[int, ...]) -> torch.Tensor:
+    """The `size` most frequent answer tokens, `keep` (the stop tokens) first: [size]."""
+    counts = Counter(t for s in samples for t in s.answer_ids)
+    ranked = [*keep, *(t for t, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+                        if t not in keep)]
+    return torch.tensor(ranked[:size])
+
+
+def make_batches(samples: list[Sample], settings: TrainSettings, epoch: int) -> list[list[int]]:
+    """Sample indices per batch: similar lengths together (the same batches every epoch), in an
+    order shuffled per epoch."""
+    order = sorted(range(len(samples)), key=lambda i: (_length(samples[i], settings), i))
+    batches, current = [], []
+    for i in order:  # ascending length: the newest sample sets the padded width
+        if current and _length(samples[i], settings) * (len(current) + 1) > settings.batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(i)
+    batches.append(current)
+    random.Random(settings.seed * 1000 + epoch).shuffle(batches)
+    return batches
+
+
+def _length(sample: Sample, settings: TrainSettings) -> int:
+    return min(len(sample.prompt_ids) + len(sample.answer_ids), settings.max_len)
+
+
+def collate(samples: list[Sample], pad: int, max_len: int, device: torch.device) -> Batch:
+    seqs = [list(s.prompt_ids + s.answer_ids)[:max_len] for s in samples]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)  # [b, T]
+    positions = torch.arange(width, device=device)[None]  # [1, T]
+    lengths = torch.tensor([len(s) for s in seqs], device=device)[:, None]  # [b, 1]
+    prompt = torch.tensor([len(s.prompt_ids) for s in samples], device=device)[:, None]
+    # Position i predicts token i + 1; the server itself gives the answer's first token, so the
+    # drafter's job starts at the first answer position (boundaries.py).
+    select = (positions >= prompt) & (positions < lengths - 1)  # [b, T]
+    return Batch(ids, (positions < lengths).long(), select, prompt[:, 0].tolist())
+
+
+@torch.no_grad()
+def teacher(target: torch.nn.Module, batch: Batch,
+            layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """layer_kv: [b, T, L, kv_width] and last hidden state after the final norm: [b, T, width]."""
+    out = target.model(input_ids=batch.ids, attention_mask=batch.attention, use_cache=True)
+    return batch_layer_kv(out.past_key_values, layers).float(), out.last_hidden_state.float()
+
+
+def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tensor,
+                 settings: TrainSettings) -> tuple[torch.Tensor, dict[str, float]]:
+    """hidden, target_hidden: [n, width] at the selected positions -> loss, stats."""
+    log_q = edge.logits(hidden).log_softmax(-1)  # [n, vocab]
+    with torch.no_grad():
+        log_p = edge.logits(target_hidden).log_softmax(-1)  # [n, vocab]
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
+    feature = F.smooth_l1_loss(hidden, target_hidden)
+    loss = settings.kl_weight * kl + settings.feature_weight * feature
+    top1 = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
+    return loss, {"loss": loss.item(), "kl": kl.item(), "feature": feature.item(),
+                  "top1": top1.item()}
+
+
+class Trainer:
+    """Owns the drafter, its optimizer and the step counter; saves and resumes checkpoints."""
+
+    def __init__(self, target: torch.nn.Module, samples: list[Sample], settings: TrainSettings,
+                 out: Path, stop_ids: tuple[int, ...]) -> None:
+        self.target, self.samples, self.settings, self.out = target, samples, settings, out
+        self.pad = stop_ids[0]
+        self.device = next(target.parameters()).device
+        torch.manual_seed(settings.seed)
+        self.config = MoaConfig.from_target(target.config, draft_vocab=settings.draft_vocab)
+        vocab_ids = None
+        if self.config.draft_vocab:
+            vocab_ids = rank_vocab(samples, self.config.draft_vocab, stop_ids)
+            self.config = replace(self.config, draft_vocab=len(vocab_ids))
+        self.server = ServerHalf(self.config).to(self.device)
+        self.edge = EdgeHalf.from_target(self.config, target, vocab_ids).to(self.device)
+        params = [*self.server.parameters(), *self.edge.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.generator = torch.Generator().manual_seed(settings.seed)
+        self.step_count = 0
+        self._epochs: dict[int, list[list[int]]] = {}
+
+    def _lr_factor(self, step: int) -> float:
+        """Linear warmup, then cosine decay to a tenth."""
+        if step < self.settings.warmup:
+            return (step + 1) / self.settings.warmup
+        progress = min(1.0, (step - self.settings.warmup)
+                       / max(1, self.settings.steps - self.settings.warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def batch_for(self, step: int) -> Batch:
+        """The batch of a given step: a function of the seed and step, so a resume continues the
+        same sequence of batches."""
+        epoch, index = divmod(step, len(self._batches(0)))
+        return collate([self.samples[i] for i in self._batches(epoch)[index]], self.pad,
+                       self.settings.max_len, self.device)
+
+    def _batches(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epochs:
+            self._epochs[epoch] = make_batches(self.samples, self.settings, epoch)
+        return self._epochs[epoch]
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        layer_kv, target_hidden = teacher(self.target, batch, self.config.lsa_layers)
+        length = batch.ids.shape[1]
+        ca = cross_mask(batch.prompt_lens, length, self.generator).to(self.device)
+        activations = self.server(layer_kv)  # [b, T, width]
+        hidden = self.edge(batch.ids, activations, causal_mask(length).to(self.device), ca)
+        loss, stats = distill_loss(self.edge, hidden[batch.select], target_hidden[batch.select],
+                                   self.settings)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([*self.server.parameters(), *self.edge.parameters()], 1.0)
+        self.optimizer.step()
+        self.schedule.step()
+        self.step_count += 1
+        stats["positions"] = int(batch.select.sum())
+        return stats
+
+    def run(self, log_every: int = 10) -> dict[str, float]:
+        """Trains to `settings.steps`; prints progress, checkpoints, writes the weights."""
+        start, positions = time.monotonic(), 0
+        first, running = self.step_count, {}
+        while self.step_count < self.settings.steps:
+            stats = self.train_step(self.batch_for(self.step_count))
+            positions += stats.pop("positions")
+            running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
+            if self.step_count % log_every == 0 or self.step_count == self.settings.steps:
+                elapsed = time.monotonic() - start
+                left = (self.settings.steps - self.step_count) * elapsed / (self.step_count - first)
+                print(f"step {self.step_count}/{self.settings.steps}  "
+                      f"{positions / elapsed:.0f} tokens/s  loss {running['loss']:.3f}  "
+                      f"kl {running['kl']:.3f}  feature {running['feature']:.4f}  "
+                      f"top1 {running['top1']:.3f}  ETA {left / 60:.1f} min",
+                      file=sys.stderr, flush=True)
+            if self.step_count % self.settings.checkpoint_every == 0:
+                self.save_checkpoint()
+        self.save_checkpoint()
+        save_weights(self.out, self.config, self.server, self.edge)
+        return running
+
+    def save_checkpoint(self) -> None:
+        state = {"server": self.server.state_dict(), "edge": self.edge.state_dict(),
+                 "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
+                 "generator": self.generator.get_state(), "step": self.step_count,
+                 "settings": asdict(self.settings), "config": self.config.to_dict()}
+        staging = self.out / (CHECKPOINT + ".part")
+        torch.save(state, staging)
+        staging.replace(self.out / CHECKPOINT)
+
+    def load_checkpoint(self) -> None:
+        state = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
+        if state["config"] != self.config.to_dict():
+            raise ValueError(f"{self.out / CHECKPOINT} was trained with other sizes")
+        self.server.load_state_dict(state["server"])
+        self.edge.load_state_dict(state["edge"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.schedule.load_state_dict(state["schedule"])
+        self.generator.set_state(state["generator"])
+        self.step_count = state["step"]

@@ -1,0 +1,81 @@
+"""`cloud-server train-drafter`: answers the training prompts with the target, then distills.
+
+Everything lands in --out: answers.jsonl (the target's answers, reused by a rerun),
+checkpoint.pt (every --checkpoint-every steps; --resume continues from it), and at the end
+moa.safetensors + moa_config.json (the trained part, what export.py and the repo take) and
+training.json (settings, final losses, timings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ANSWERS = "answers.jsonl"
+SUMMARY = "training.json"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    from cloud_server.moa.train import TrainSettings
+
+    d = TrainSettings()
+    p = argparse.ArgumentParser(prog="cloud-server train-drafter", description=__doc__)
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct, embedded), a hub id or a local path")
+    p.add_argument("--out", type=Path, required=True, help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")
+    p.add_argument("--answer-batch", type=int, default=32, help="prompts answered at once")
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
+                   help="draft head over the N most frequent answer tokens; 0: full vocab")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    from cloud_server import model_store
+    from cloud_server.moa import data
+    from cloud_server.moa.train import CHECKPOINT, Trainer, TrainSettings
+    from cloud_server.target import TargetModel
+
+    if (args.out / CHECKPOINT).exists() and not args.resume:
+        print(f"train-drafter: {args.out} holds a checkpoint: pass --resume or another --out",
+              file=sys.stderr)
+        return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    path, model_id = model_store.resolve(args.model)
+    target = TargetModel.load(path, model_id, args.device)
+    prompts = data.encode_prompts(target, data.training_prompts()[:args.max_prompts],
+                                  args.max_prompt_tokens)
+    answers = args.out / ANSWERS
+    data.generate_answers(target, prompts, answers, args.answer_batch, args.max_new_tokens)
+    samples = data.load_samples(answers)
+    answered = time.monotonic()
+    settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
+                             draft_vocab=args.draft_vocab, checkpoint_every=args.checkpoint_every,
+                             seed=args.seed)
+    trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
+    if args.resume and (args.out / CHECKPOINT).exists():
+        trainer.load_checkpoint()
+        print(f"resumed at step {trainer.step_count}", file=sys.stderr, flush=True)
+    stats = trainer.run()
+    summary = {"model_id": model_id, "device": str(target.device), "samples": len(samples),
+               "answer_tokens": sum(len(s.answer_ids) for s in samples),
+               "answer_seconds": round(answered - start, 1),
+               "train_seconds": round(time.monotonic() - answered, 1),
+               "settings": asdict(settings), "final": stats}
+    (args.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0

@@ -1,0 +1,56 @@
+"""The trained drafter on disk: `moa.safetensors` (fp16, the trained part only) + `moa_config.json`.
+
+The shared embedding, final norm and LM head are not saved: they are the target's, and are
+attached again from the target model on load (DESIGN 3.1, keep the committed weights small).
+Drafters trained for a target ship in `trained/<model id>/` (`committed_drafter`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from cloud_server.moa.config import MoaConfig
+from cloud_server.moa.model import EdgeHalf, ServerHalf
+
+WEIGHTS = "moa.safetensors"
+CONFIG = "moa_config.json"
+TRAINED = Path(__file__).resolve().parent / "trained"  # committed drafters, one dir per model id
+
+
+def committed_drafter(model_id: str) -> Path | None:
+    """The drafter committed to the repo for a target model id, if there is one."""
+    directory = TRAINED / model_id
+    return directory if (directory / WEIGHTS).is_file() else None
+
+
+def save_weights(out: Path, config: MoaConfig, server: ServerHalf, edge: EdgeHalf) -> None:
+    tensors = {f"{prefix}.{k}": _compact(v) for prefix, module in (("server", server),
+                                                                  ("edge", edge))
+               for k, v in module.state_dict().items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / WEIGHTS)
+    config.save(out / CONFIG)
+
+
+def load_drafter(directory: Path,
+                 target: torch.nn.Module) -> tuple[MoaConfig, ServerHalf, EdgeHalf]:
+    """Both halves in fp32 on the target's device, eval mode, edge half sharing the target's
+    embedding, final norm and head."""
+    config = MoaConfig.load(directory / CONFIG)
+    tensors = load_file(directory / WEIGHTS)
+    device = next(target.parameters()).device
+    server = ServerHalf(config)
+    edge = EdgeHalf.from_target(config, target, tensors.get("edge.vocab_ids"))
+    for prefix, module in (("server.", server), ("edge.", edge)):
+        state = {k[len(prefix):]: v.float() if v.is_floating_point() else v
+                 for k, v in tensors.items() if k.startswith(prefix)}
+        module.load_state_dict(state)
+    return config, server.to(device).eval(), edge.to(device).eval()
+
+
+def _compact(tensor: torch.Tensor) -> torch.Tensor:
+    """fp16 for weights; index tensors (the sub-vocabulary) as they are."""
+    tensor = tensor.detach().cpu()
+    return (tensor.half() if tensor.is_floating_point() else tensor).contiguous()

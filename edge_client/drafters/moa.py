@@ -1,0 +1,186 @@
+"""The Mixture-of-Attentions drafter on the edge: the exported edge half run with onnxruntime.
+
+Zimmer et al., arXiv 2410.03804, split per DESIGN 3.1: the server sends the activations of
+verified positions (`add_activations`); this side keeps the Cross-Attention K/V of that memory
+and the Self-Attention K/V of the committed text, and drafts autoregressively from them, so it
+can draft past the last verified position. Trees are EAGLE-2 dynamic trees (Li et al., arXiv
+2406.16858, section 4): expand the `beam` nodes of the newest depth with the highest cumulative
+draft log-probability, each proposing its top `branch` children, then keep the best `max_nodes`
+overall, best first. Knows nothing of the link or the wire; numpy and onnxruntime only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from edge_client.drafters.moa_bundle import load_manifest
+from shared.tree import ROOT, DraftTree
+
+
+@dataclass
+class _Candidates:
+    """Every node drafted this round, in the order drafted."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)  # cumulative log q from the root
+    depths: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # row in the round's K/V, -1 if not expanded
+
+    def add(self, token: int, parent: int, score: float, depth: int) -> None:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depths.append(depth)
+        self.slots.append(-1)
+
+    def ancestors(self, node: int) -> list[int]:
+        chain = []
+        while (node := self.parents[node]) != ROOT:
+            chain.append(node)
+        return chain
+
+
+class MoaDrafter:
+    name = "moa"
+
+    def __init__(self, bundle_dir: Path, precision: str = "int8", max_depth: int = 8,
+                 beam: int = 8, branch: int = 8, threads: int = 1) -> None:
+        import onnxruntime as ort
+
+        manifest = load_manifest(bundle_dir)
+        if precision not in manifest["graphs"]:
+            raise ValueError(f"precision {precision!r} not in the bundle: "
+                             f"{', '.join(manifest['graphs'])}")
+        config = manifest["config"]
+        self.kv_heads, self.head_dim = config["kv_heads"], config["head_dim"]
+        self.width = config["width"]
+        self.max_depth, self.beam = max_depth, beam
+        self.branch = min(branch, manifest["top_k"])
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        graphs = manifest["graphs"][precision]
+        self._memory = ort.InferenceSession(str(bundle_dir / graphs["memory"]), options,
+                                            providers=["CPUExecutionProvider"])
+        self._step = ort.InferenceSession(str(bundle_dir / graphs["step"]), options,
+                                          providers=["CPUExecutionProvider"])
+        self.reset(())
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Forgets the text and the activation memory; activations of the prompt come next."""
+        self._context: list[int] = []  # committed ids whose SA K/V are in the cache
+        self._sa_keys = self._empty()  # [kv_heads, len(_context), hd]
+        self._sa_values = self._empty()
+        self._mem_keys = self._empty()  # [kv_heads, verified, hd]
+        self._mem_values = self._empty()
+
+    @property
+    def verified(self) -> int:
+        """How many leading positions have activations in the memory."""
+        return self._mem_keys.shape[1]
+
+    def add_activations(self, start: int, activations: np.ndarray) -> None:
+        """Activations of committed positions start .. start + n - 1: [n, width], any float
+        dtype. `start` below `verified` rewinds the memory there first (a resumed session)."""
+        if start > self.verified:
+            raise ValueError(f"activations start at {start}, but only {self.verified} "
+                             "positions are verified: one verdict's activations are missing")
+        if activations.ndim != 2 or activations.shape[1] != self.width:
+            raise ValueError(f"activations must be [n, {self.width}], got {activations.shape}")
+        keys, values = self._memory.run(None, {
+            "activations": np.ascontiguousarray(activations, dtype=np.float32),
+            "positions": np.arange(start, start + len(activations), dtype=np.int64)})
+        self._mem_keys = np.concatenate((self._mem_keys[:, :start], keys), axis=1)
+        self._mem_values = np.concatenate((self._mem_values[:, :start], values), axis=1)
+
+    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        if not context or not self.verified or max_nodes < 1:
+            return DraftTree((), ())
+        top_logprobs, top_ids = self._sync(context)  # [branch] each: the first level
+        nodes = _Candidates()
+        for logprob, token in zip(top_logprobs, top_ids):
+            nodes.add(int(token), ROOT, float(logprob), 0)
+        keys, values = self._empty(), self._empty()  # the round's K/V: [kv_heads, slots, hd]
+        for depth in range(self.max_depth - 1):
+            frontier = self._frontier(nodes, depth, max_nodes)
+            if not frontier:
+                break
+            top_logprobs, top_ids, new_keys, new_values = self._expand(context, nodes, frontier,
+                                                                       keys, values)
+            for row, node in enumerate(frontier):
+                nodes.slots[node] = keys.shape[1] + row
+                for logprob, token in zip(top_logprobs[row], top_ids[row]):
+                    nodes.add(int(token), node, nodes.scores[node] + float(logprob), depth + 1)
+            keys = np.concatenate((keys, new_keys), axis=1)
+            values = np.concatenate((values, new_values), axis=1)
+        return _best_tree(nodes, max_nodes)
+
+    def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
+                tokens: tuple[int, ...]) -> None:
+        """Nothing to learn: committed tokens reach the cache at the next propose, and their
+        activations through `add_activations`."""
+
+    def _empty(self) -> np.ndarray:
+        return np.zeros((self.kv_heads, 0, self.head_dim), dtype=np.float32)
+
+    def _sync(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Brings the SA cache to `context` and returns the top children of its last token.
+
+        Keeps the longest common prefix (a rewind drops the rest) but always re-runs at least
+        the last token, whose outputs are the first level of the tree."""
+        keep = 0
+        limit = min(len(self._context), len(context) - 1)
+        while keep < limit and self._context[keep] == context[keep]:
+            keep += 1
+        past_keys, past_values = self._sa_keys[:, :keep], self._sa_values[:, :keep]
+        new = np.asarray(context[keep:], dtype=np.int64)  # [q]
+        allowed = np.tril(np.ones((len(new), keep + len(new)), dtype=bool), k=keep)
+        _, top_logprobs, top_ids, keys, values = self._step.run(None, {
+            "ids": new, "positions": np.arange(keep, len(context), dtype=np.int64),
+            "past_keys": past_keys, "past_values": past_values, "allowed": allowed,
+            "mem_keys": self._mem_keys, "mem_values": self._mem_values})
+        self._context = list(context)
+        self._sa_keys = np.concatenate((past_keys, keys), axis=1)
+        self._sa_values = np.concatenate((past_values, values), axis=1)
+        return top_logprobs[-1, :self.branch], top_ids[-1, :self.branch]
+
+    def _frontier(self, nodes: _Candidates, depth: int, max_nodes: int) -> list[int]:
+        """The best `beam` nodes at `depth`, if any of their children could still make the
+        final cut (scores only fall along a path, so below the max_nodes-th score none can)."""
+        at_depth = [i for i, d in enumerate(nodes.depths) if d == depth]
+        at_depth.sort(key=lambda i: -nodes.scores[i])
+        cutoff = sorted(nodes.scores, reverse=True)[min(max_nodes, len(nodes.scores)) - 1]
+        return [i for i in at_depth[:self.beam] if nodes.scores[i] >= cutoff
+                or len(nodes.scores) < max_nodes]
+
+    def _expand(self, context: Sequence[int], nodes: _Candidates, frontier: list[int],
+                keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
+        """One step over the frontier nodes under the tree mask: their top children and K/V."""
+        base, slots, q = len(context), keys.shape[1], len(frontier)
+        allowed = np.zeros((q, base + slots + q), dtype=bool)  # [q, base + slots + q]
+        allowed[:, :base] = True
+        for row, node in enumerate(frontier):
+            allowed[row, [base + nodes.slots[a] for a in nodes.ancestors(node)]] = True
+            allowed[row, base + slots + row] = True
+        _, top_logprobs, top_ids, new_keys, new_values = self._step.run(None, {
+            "ids": np.array([nodes.tokens[i] for i in frontier], dtype=np.int64),
+            "positions": np.array([base + nodes.depths[i] for i in frontier], dtype=np.int64),
+            "past_keys": np.concatenate((self._sa_keys, keys), axis=1),
+            "past_values": np.concatenate((self._sa_values, values), axis=1),
+            "allowed": allowed, "mem_keys": self._mem_keys, "mem_values": self._mem_values})
+        return top_logprobs[:, :self.branch], top_ids[:, :self.branch], new_keys, new_values
+
+
+def _best_tree(nodes: _Candidates, max_nodes: int) -> DraftTree:
+    """The `max_nodes` best nodes by cumulative log q, best first. A child never scores above
+    its parent and ties go to the shallower node, so the set is closed under ancestors and
+    every parent precedes its children."""
+    order = sorted(range(len(nodes.tokens)), key=lambda i: (-nodes.scores[i], nodes.depths[i]))
+    keep = order[:max_nodes]
+    index = {node: i for i, node in enumerate(keep)}
+    return DraftTree(tuple(nodes.tokens[i] for i in keep),
+                     tuple(ROOT if nodes.parents[i] == ROOT else index[nodes.parents[i]]
+                           for i in keep))

@@ -1,0 +1,86 @@
+"""The MoA drafter on the edge (onnxruntime), fed by the server half in-process on the tiny
+target: its greedy drafts equal the torch edge half's, and split decoding with it stays
+identical to plain greedy decoding while accepting drafts."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.moa_tau import split_greedy
+from cloud_server.moa.activations import ServerActivations
+from cloud_server.moa.weights import load_drafter
+from cloud_server.reference import plain_greedy
+from edge_client.drafters.moa import MoaDrafter
+from shared.tree import DraftTree
+
+PROMPT = [1, 46, 47, 48, 49]
+
+
+@torch.no_grad()
+def torch_greedy_chain(edge, context: list[int], activations: np.ndarray, depth: int) -> list[int]:
+    """Reference: the torch edge half recomputed from scratch for every drafted token."""
+    acts = torch.from_numpy(activations.astype(np.float32))[None]  # [1, v, width]
+    mem = edge.memory_kv(acts, torch.arange(acts.shape[1]))
+    ids = list(context)
+    for _ in range(depth):
+        positions = torch.arange(len(ids))
+        keys, values = edge.sa_kv(torch.tensor([ids]), positions)
+        causal = torch.zeros(1, 1, len(ids), len(ids)).masked_fill(
+            torch.ones(len(ids), len(ids), dtype=torch.bool).triu(1), torch.finfo().min)
+        hidden = edge.hidden(torch.tensor([ids]), positions, keys, values, causal, *mem, None)
+        ids.append(int(edge.vocab_ids[edge.logits(hidden[0, -1]).argmax()]))
+    return ids[len(context):]
+
+
+def test_greedy_drafts_match_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
+    _, _, edge = load_drafter(tiny_drafter_dir, tiny_target.model)
+    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
+    cache, _ = tiny_target.prefill(PROMPT)
+    acts = server(cache, 0, len(PROMPT), dtype=np.float32)  # [len(PROMPT), width]
+    drafter = MoaDrafter(tiny_bundle, precision="fp32", max_depth=6, beam=1, branch=1)
+    drafter.reset(PROMPT)
+    drafter.add_activations(0, acts)
+    context = PROMPT + [30]  # the first answer token: pending, no activation yet
+    tree = drafter.propose(context, max_nodes=6)
+    assert tree == DraftTree.chain(tree.tokens) and len(tree) == 6
+    assert list(tree.tokens) == torch_greedy_chain(edge, context, acts, 6)
+    again = drafter.propose(context, max_nodes=6)  # the same state drafts the same tree
+    assert again == tree
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_split_decoding_with_moa_equals_plain_greedy(tiny_target, tiny_drafter_dir, tiny_bundle,
+                                                     precision):
+    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
+    drafter = MoaDrafter(tiny_bundle, precision=precision, max_depth=6, beam=4, branch=4)
+    log = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
+    assert log.tokens == plain_greedy(tiny_target, PROMPT, len(log.tokens))
+    assert sum(log.per_round) / len(log.per_round) > 1.5, log.per_round  # drafts get accepted
+
+
+def test_activations_are_fp16_rows_of_width(tiny_target, tiny_drafter_dir):
+    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
+    cache, _ = tiny_target.prefill(PROMPT)
+    acts = server(cache, 1, 4)
+    assert acts.dtype == np.float16 and acts.shape == (3, server.config.width)
+
+
+def test_drafter_needs_activations_and_rejects_gaps(tiny_bundle):
+    drafter = MoaDrafter(tiny_bundle, precision="fp32")
+    drafter.reset(PROMPT)
+    assert len(drafter.propose(PROMPT, 8)) == 0  # nothing verified yet: nothing to offer
+    with pytest.raises(ValueError):
+        drafter.add_activations(2, np.zeros((1, drafter.width), np.float16))
+
+
+def test_int8_activations_round_trip_closely(tiny_target, tiny_drafter_dir):
+    from shared.activation_codec import from_int8, to_int8
+
+    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
+    cache, _ = tiny_target.prefill(PROMPT)
+    acts = server(cache, 0, len(PROMPT), dtype=np.float32)  # [n, width]
+    values, scales = to_int8(acts)
+    assert values.dtype == np.int8 and scales.dtype == np.float16
+    error = np.abs(from_int8(values, scales) - acts).max(axis=1)  # [n]
+    assert (error <= 0.6 * np.abs(acts).max(axis=1) / 127 + 1e-6).all()

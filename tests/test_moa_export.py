@@ -1,0 +1,73 @@
+"""ONNX export of the MoA edge half: the graphs equal the torch modules, the int8 graphs stay
+close, and the bundle survives archive -> install with every sha256 checked."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from cloud_server.moa.bundle import MANIFEST, archive
+from cloud_server.moa.export import MemoryGraph, StepGraph, example_inputs
+from cloud_server.moa.weights import load_drafter
+from edge_client.drafters.moa_bundle import BundleError, install_bundle, verify
+
+STEP_INPUTS = ["ids", "positions", "past_keys", "past_values", "allowed", "mem_keys",
+               "mem_values"]
+
+
+def run_both(tiny_target, tiny_drafter_dir, tiny_bundle, graph: str):
+    torch.manual_seed(1)
+    _, _, edge = load_drafter(tiny_drafter_dir, tiny_target.model)
+    memory_args, step_args = example_inputs(edge)
+    manifest = json.loads((tiny_bundle / MANIFEST).read_text())
+    with torch.no_grad():
+        want = StepGraph(edge, manifest["top_k"])(*step_args)
+    session = ort.InferenceSession(str(tiny_bundle / manifest["graphs"][graph]["step"]))
+    got = session.run(None, {n: a.numpy() for n, a in zip(STEP_INPUTS, step_args)})
+    return [w.numpy() for w in want], got, edge, memory_args, manifest
+
+
+def test_fp32_step_matches_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
+    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, "fp32")
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
+
+
+def test_fp32_memory_matches_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
+    _, _, edge, (acts, positions), manifest = run_both(tiny_target, tiny_drafter_dir,
+                                                        tiny_bundle, "fp32")
+    with torch.no_grad():
+        want = MemoryGraph(edge)(acts, positions)
+    session = ort.InferenceSession(str(tiny_bundle / manifest["graphs"]["fp32"]["memory"]))
+    got = session.run(None, {"activations": acts.numpy(), "positions": positions.numpy()})
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)
+
+
+def test_int8_step_stays_close(tiny_target, tiny_drafter_dir, tiny_bundle):
+    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, "int8")
+    logits, top_ids = want[0], want[2]
+    assert np.abs(got[0] - logits).max() < 0.1 * np.abs(logits).max()
+    assert (got[2][:, 0] == top_ids[:, 0]).mean() >= 0.5
+
+
+def test_bundle_archive_installs_and_verifies(tiny_bundle, tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    data = archive(tiny_bundle)
+    assert data == archive(tiny_bundle)  # deterministic: one sha256 per bundle
+    sha = hashlib.sha256(data).hexdigest()
+    with pytest.raises(BundleError):
+        install_bundle(data, "0" * 64)
+    installed = install_bundle(data, sha)
+    assert installed.name == tiny_bundle.name
+    manifest = verify(installed)
+    assert {"step.onnx", "step.int8.onnx", "memory.onnx", "memory.int8.onnx",
+            "tokenizer.json"} <= set(manifest["files"])
+    (installed / "step.int8.onnx").write_bytes(b"corrupt")
+    with pytest.raises(BundleError):
+        verify(installed)

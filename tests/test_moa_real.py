@@ -1,0 +1,40 @@
+"""The committed MoA drafter on the real SmolLM2 target: exported, fed in-process by the server
+half, its split greedy output equals plain greedy decoding and it gets drafts accepted."""
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.moa_tau import split_greedy
+from shared.messages import ChatMessage
+
+pytestmark = pytest.mark.slow
+
+PROMPT = "Explain in three sentences why the sky is blue."
+
+
+@pytest.fixture(scope="module")
+def real_target():
+    from cloud_server import model_store
+    from cloud_server.target import TargetModel
+
+    return TargetModel.load(*model_store.resolve("default"), "cpu")
+
+
+def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path):
+    from cloud_server.moa.activations import ServerActivations
+    from cloud_server.moa.bundle import build_bundle
+    from cloud_server.moa.weights import committed_drafter
+    from cloud_server.reference import compare, plain_greedy
+    from edge_client.drafters.moa import MoaDrafter
+
+    drafter_dir = committed_drafter(real_target.model_id)
+    if drafter_dir is None:
+        pytest.skip(f"no MoA drafter committed for {real_target.model_id}")
+    bundle = build_bundle(drafter_dir, real_target.model, real_target.model_id, tmp_path)
+    server = ServerActivations.load(drafter_dir, real_target.model)
+    drafter = MoaDrafter(bundle, precision="int8")
+    prompt = real_target.apply_chat_template((ChatMessage("user", PROMPT),))
+    log = split_greedy(real_target, server, drafter, prompt, 48, max_nodes=32)
+    plain = plain_greedy(real_target, prompt, 48)
+    assert compare(real_target, prompt, log.tokens[:48], plain).lossless
+    assert sum(log.per_round) / len(log.per_round) > 1.5, log.per_round

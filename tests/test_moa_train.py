@@ -1,0 +1,83 @@
+"""Drafter training on the tiny model: batched answers equal plain greedy decoding, the loss
+goes down, a resumed run continues exactly, and training never sees evaluation prompts."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud_server.cli import main as cloud_server_main
+from cloud_server.moa.data import Sample, answer_batch
+from cloud_server.moa.train import Trainer, TrainSettings
+from cloud_server.moa.weights import load_drafter
+from cloud_server.reference import plain_greedy
+
+PROMPTS = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65, 66], [1, 70, 71, 72]]
+SETTINGS = TrainSettings(steps=40, batch_tokens=128, lr=3e-3, warmup=5, checkpoint_every=1000)
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_target) -> list[Sample]:
+    answers = answer_batch(tiny_target, PROMPTS, max_new_tokens=24)
+    return [Sample(tuple(p), tuple(a)) for p, a in zip(PROMPTS, answers)]
+
+
+def test_batched_answers_equal_plain_greedy(tiny_target, samples):
+    for sample in samples:
+        assert list(sample.answer_ids) == plain_greedy(tiny_target, sample.prompt_ids, 24)
+
+
+def test_loss_goes_down(tiny_target, samples, tmp_path):
+    trainer = Trainer(tiny_target.model, samples, SETTINGS, tmp_path, stop_ids=(2,))
+    losses = [trainer.train_step(trainer.batch_for(s))["loss"] for s in range(SETTINGS.steps)]
+    assert sum(losses[-5:]) < 0.5 * sum(losses[:5]), losses
+
+
+def test_resume_continues_exactly(tiny_target, samples, tmp_path):
+    """With a sub-vocabulary head, which the saved weights carry."""
+    settings = replace(SETTINGS, steps=4, checkpoint_every=2, draft_vocab=8)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    straight = Trainer(tiny_target.model, samples, settings, tmp_path / "a", stop_ids=(2,))
+    straight.run()
+    first = Trainer(tiny_target.model, samples, replace(settings, steps=2), tmp_path / "b",
+                    stop_ids=(2,))
+    first.run()
+    resumed = Trainer(tiny_target.model, samples, settings, tmp_path / "b", stop_ids=(2,))
+    resumed.load_checkpoint()
+    resumed.run()
+    for name, value in straight.edge.state_dict().items():
+        torch.testing.assert_close(resumed.edge.state_dict()[name], value)
+    config, server, edge = load_drafter(tmp_path / "b", tiny_target.model)
+    assert config.draft_vocab == 8 and edge.vocab_ids[0] == 2  # the stop token always in
+    torch.testing.assert_close(edge.vocab_ids, resumed.edge.vocab_ids)
+    torch.testing.assert_close(server.proj.weight, resumed.server.proj.weight.half().float())
+    torch.testing.assert_close(edge.head, tiny_target.model.lm_head.weight[edge.vocab_ids])
+
+
+def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
+    out = tmp_path / "run"
+    args = ["train-drafter", "--model", str(tiny_model_dir), "--out", str(out), "--device", "cpu",
+            "--max-prompts", "4", "--max-prompt-tokens", "1000", "--max-new-tokens", "8",
+            "--steps", "3", "--batch-tokens", "512"]
+    assert cloud_server_main(args) == 0
+    assert {"answers.jsonl", "checkpoint.pt", "moa.safetensors", "moa_config.json",
+            "training.json"} <= {p.name for p in out.iterdir()}
+    answered = len((out / "answers.jsonl").read_text().splitlines())
+    assert json.loads((out / "training.json").read_text())["samples"] == answered > 0
+    assert cloud_server_main(args) == 1  # a checkpoint is there and --resume was not given
+    assert cloud_server_main(args + ["--resume", "--steps", "4"]) == 0
+
+
+def test_training_prompts_are_not_evaluation_prompts():
+    pytest.importorskip("eval_framework")
+    from benchmarks import prompts as evaluation
+    from cloud_server.moa.data import training_prompts
+
+    train = {p.strip() for p in training_prompts()}
+    assert len(train) > 1000
+    for name in evaluation.SETS:
+        assert not train & {row["prompt"].strip() for row in evaluation.load(name)}
