@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
     p.add_argument("--idle-timeout", type=int, default=defaults.session_idle_timeout_s,
                    help="seconds a session may stay silent before it is closed")
+    p.add_argument("--drafter-dir", default="default", metavar="DIR",
+                   help="the MoA drafter to serve: 'default' (the one committed for the model, "
+                        "if any), 'none', or a directory from `cloud-server train-drafter`")
     return p.parse_args(argv)
 
 
@@ -49,12 +52,15 @@ def main(argv: list[str] | None = None) -> int:
         from cloud_server.server import build_service, serve
         from cloud_server.target import TargetModel
 
+        from cloud_server.drafter_serving import find_drafter
+
         path, model_id = model_store.resolve(args.model)
+        drafter_dir = find_drafter(args.drafter_dir, model_id)
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)
         model_thread = ModelThread()
         target = model_thread.call(TargetModel.load, path, model_id, args.device,
                                    onednn=args.cpu_linear == "onednn")
-        service = build_service(target, limits_from(args), model_thread)
+        service = build_service(target, limits_from(args), model_thread, drafter_dir)
         print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
         asyncio.run(serve(service, args.host, args.port))
     except (OSError, RuntimeError, ValueError) as err:

@@ -4,12 +4,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_server.artifacts import TOKENIZER_NAME, ArtifactStore
 from cloud_server.calibrate import measure_verify_costs
+from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
@@ -32,17 +34,24 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
     ]
 
 
-def build_service(target: TargetModel, limits: Limits,
-                  model_thread: ModelThread | None = None) -> SplitDecodingService:
-    """Measures the verify costs Info reports, then builds the service. `model_thread` should
-    be the thread that loaded `target` (see model_thread.py)."""
+def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread | None = None,
+                  drafter_dir: Path | None = None) -> SplitDecodingService:
+    """Measures the verify costs Info reports, loads the MoA drafter when there is one, then
+    builds the service. `model_thread` should be the thread that loaded `target` (see
+    model_thread.py)."""
     model_thread = model_thread or ModelThread()
     costs = model_thread.call(measure_verify_costs, target, limits.max_tree_nodes)
     print("verify cost: " + ", ".join(f"{n} nodes {ms:.0f} ms" for n, ms in costs),
           file=sys.stderr, flush=True)
     artifacts = ArtifactStore()
     artifacts.add(TOKENIZER_NAME, ArtifactKind.TOKENIZER, target.tokenizer_json())
-    return SplitDecodingService(target, limits, artifacts, model_thread, costs)
+    drafter = None
+    if drafter_dir is not None:
+        drafter = model_thread.call(serve_drafter, drafter_dir, target)
+        artifacts.add(BUNDLE_ARTIFACT, ArtifactKind.DRAFTER_BUNDLE, drafter.bundle)
+        print(f"drafter bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
+              f"{drafter.width}", file=sys.stderr, flush=True)
+    return SplitDecodingService(target, limits, artifacts, model_thread, costs, drafter)
 
 
 async def start(service: SplitDecodingService, host: str, port: int

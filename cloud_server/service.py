@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable, TypeVar
 import grpc
 
 from cloud_server.artifacts import ArtifactStore
+from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
@@ -74,8 +75,10 @@ def _grpc_status(handler):
 
 class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore,
-                 model_thread: ModelThread, verify_costs: tuple[tuple[int, float], ...] = ()):
+                 model_thread: ModelThread, verify_costs: tuple[tuple[int, float], ...] = (),
+                 drafter: ServedDrafter | None = None):
         self.target = target
+        self.drafter = drafter
         self.verify_costs = verify_costs
         self.limits = limits
         self.artifacts = artifacts
@@ -88,7 +91,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             tokenizer_sha256=self.artifacts.tokenizer().sha256,
             vocab_size=self.target.vocab_size, stop_token_ids=self.target.stop_token_ids(),
             limits=self.limits, artifacts=self.artifacts.listing(),
-            verify_costs=self.verify_costs)
+            verify_costs=self.verify_costs,
+            activation_width=0 if self.drafter is None else self.drafter.width)
 
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return wire.info_to_proto(self.info())
@@ -145,7 +149,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
 
     async def _new_session(self, request: OpenRequest, owner: object) -> Session:
         self.sessions.reserve()
-        session = await self._on_model(Session, self.target, self.limits, request)
+        source = None if self.drafter is None else self.drafter.activations
+        session = await self._on_model(Session, self.target, self.limits, request, source)
         self.sessions.add(session, owner)
         return session
 

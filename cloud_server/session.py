@@ -10,8 +10,12 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
+from dataclasses import replace
+from typing import Callable
 
+import numpy as np
 import torch
+from transformers import DynamicCache
 
 from cloud_server.target import TargetModel, keep_path
 from shared.acceptance import (
@@ -21,7 +25,8 @@ from shared.acceptance import (
 from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest, OutOfOrder
 from shared.messages import (
-    Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Resume, Verdict,
+    ActivationRows, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Resume,
+    Verdict,
 )
 from shared.sampling import RngStream, round_rng, warp
 from shared.tree import DraftTree
@@ -30,8 +35,14 @@ DEFAULT_SAMPLING_MODE = AcceptanceMode.TOPK_DRAFTS
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
+# The server half of a drafter fed by activations (cloud_server/moa/activations.py): the rows
+# of cache positions [start, end), [end - start, width].
+ActivationSource = Callable[[DynamicCache, int, int], np.ndarray]
+
+
 class Session:
-    def __init__(self, target: TargetModel, limits: Limits, request: OpenRequest):
+    def __init__(self, target: TargetModel, limits: Limits, request: OpenRequest,
+                 activations: ActivationSource | None = None):
         self.id = uuid.uuid4().hex
         self.target = target
         self.limits = limits
@@ -43,6 +54,11 @@ class Session:
         self._stop_ids = frozenset(target.stop_token_ids()) | self._extra_stop_ids(request)
         self._stop_strings = self._checked_stop_strings(request.stop_strings)
         self.committed: list[int] = list(self.prompt_ids) + self._history(request)
+        self._activation_format = request.activations
+        if request.activations is not None and activations is None:
+            raise InvalidRequest(f"this server has no drafter for {target.model_id} and sends "
+                                 "no activations: choose a drafter that needs none")
+        self._activation_source = activations
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache = None
@@ -130,7 +146,7 @@ class Session:
         self._cache, logits = self.target.prefill(self.committed)
         empty = DraftTree((), ())
         acceptance = self._accept(empty, logits[None], self._q_rows(empty, ()))
-        return self._commit((), acceptance.tokens, start)
+        return self._with_activations(self._commit((), acceptance.tokens, start), 0, start)
 
     def catch_up(self, resume: Resume) -> Verdict:
         """The answer to a resume of this session: the committed tokens the edge lacks."""
@@ -139,8 +155,12 @@ class Session:
         if held[: len(edge)] != edge:
             raise InvalidRequest(f"resume history of {len(edge)} tokens does not match session "
                                  f"{self.id}")
-        return Verdict(round_id=self.rounds, accepted_nodes=(), tokens=tuple(held[len(edge):]),
-                       committed_length=len(self.committed), finish_reason=self.finish_reason)
+        verdict = Verdict(round_id=self.rounds, accepted_nodes=(),
+                          tokens=tuple(held[len(edge):]), committed_length=len(self.committed),
+                          finish_reason=self.finish_reason)
+        # The edge holds activations up to its own pending token, not included.
+        return self._with_activations(verdict, len(self.prompt_ids) + len(edge) - 1,
+                                      time.perf_counter())
 
     def verify(self, draft: DraftRequest) -> Verdict:
         """One round: checks the tree against the target and commits what it agrees with."""
@@ -159,7 +179,18 @@ class Session:
         self.rounds += 1
         acceptance = self._accept(tree, logits, q_rows)
         keep_path(self._cache, base, acceptance.accepted_nodes)
-        return self._commit(acceptance.accepted_nodes, acceptance.tokens, start)
+        verdict = self._commit(acceptance.accepted_nodes, acceptance.tokens, start)
+        return self._with_activations(verdict, base, start)
+
+    def _with_activations(self, verdict: Verdict, first: int, start: float) -> Verdict:
+        """The Verdict with the activations of cache positions first .. (all cached) when the
+        session asked for them; verify_ms then includes computing them."""
+        end = self._cache.get_seq_length()
+        if self._activation_format is None or first >= end:
+            return verdict
+        rows = self._activation_source(self._cache, first, end)  # [end - first, width]
+        return replace(verdict, activations=ActivationRows(first, rows, self._activation_format),
+                       verify_ms=1000 * (time.perf_counter() - start))
 
     def _q_rows(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> QRows | None:
         if self.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:

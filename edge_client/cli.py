@@ -15,12 +15,12 @@ from typing import Iterator
 from edge_client.batch import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, ClientOptions, EdgeClient
 from edge_client.display import TerminalView
-from edge_client.drafters import DRAFTERS
+from edge_client.drafter_source import DRAFTER_NAMES
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from shared.acceptance import AcceptanceMode
-from shared.messages import ChatMessage
+from shared.messages import ActivationFormat, ChatMessage
 from shared.netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
 from shared.sampling import SamplingParams
 
@@ -29,7 +29,11 @@ EXIT_USAGE, EXIT_LINK = 2, 3
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
-    p.add_argument("--drafter", choices=sorted(DRAFTERS), default=DEFAULT_DRAFTER)
+    p.add_argument("--drafter", choices=DRAFTER_NAMES, default=DEFAULT_DRAFTER,
+                   help="'moa': the trained drafter the server offers (fetched once, cached); "
+                        "pld, aded: training-free (default %(default)s)")
+    p.add_argument("--activations", choices=[f.name.lower() for f in ActivationFormat],
+                   default="fp16", help="how the MoA drafter's activations travel")
     p.add_argument("--max-new-tokens", type=positive, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
@@ -158,8 +162,11 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         offline_limit=args.offline_limit,
                         reconnect_timeout_s=args.reconnect_timeout,
                         pipeline=not args.no_pipeline)
+    if acceptance is AcceptanceMode.SAMPLED_DRAFTS and args.drafter == "moa":
+        raise BadInput("the moa drafter does not draw sampled drafts yet: use --acceptance "
+                       "topk-drafts or exponential-race")
     return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance,
-                         tuple(args.stop), policy)
+                         tuple(args.stop), policy, ActivationFormat[args.activations.upper()])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,19 +1,21 @@
 """What the CLI and batch mode share: connect, check the server, fetch the tokenizer, generate."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from tokenizers import Tokenizer
 
 from edge_client.budget import TreeBudget
-from edge_client.drafters import DRAFTERS, make_drafter
+from edge_client.drafter_source import drafter_pool, sampling_acceptance
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
 from edge_client.tokenizer import load_tokenizer
 from shared.acceptance import AcceptanceMode
-from shared.messages import PROTOCOL_VERSION, ChatMessage, OpenRequest, ServerInfo
+from shared.messages import (
+    PROTOCOL_VERSION, ActivationFormat, ChatMessage, OpenRequest, ServerInfo,
+)
 from shared.sampling import SamplingParams
 
 DEFAULT_DRAFTER = "pld"
@@ -28,6 +30,8 @@ class ClientOptions:
     acceptance: AcceptanceMode | None = None  # None: greedy, or the drafter's sampling mode
     stop_strings: tuple[str, ...] = ()
     link_policy: LinkPolicy = LinkPolicy()
+    # For a drafter fed by the server half (MoA): how its activations travel.
+    activation_format: ActivationFormat = ActivationFormat.FP16
 
     def open_request(self, prompt_ids: Sequence[int] | None = None,
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
@@ -40,7 +44,7 @@ class ClientOptions:
     def _acceptance(self) -> AcceptanceMode | None:
         if self.acceptance is not None or self.sampling.greedy:
             return self.acceptance
-        return DRAFTERS[self.drafter].sampling_acceptance
+        return sampling_acceptance(self.drafter)
 
 
 class EdgeClient:
@@ -56,6 +60,7 @@ class EdgeClient:
             raise LinkError(f"server speaks protocol v{self.info.protocol_version}, "
                             f"this client v{PROTOCOL_VERSION}")
         self.tokenizer = await load_tokenizer(self.link, self.info)
+        self._drafters = await drafter_pool(self.options.drafter, self.link, self.info)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -68,10 +73,12 @@ class EdgeClient:
     async def generate(self, request: OpenRequest,
                        listener: Listener | None = None) -> GenerationResult:
         limits = self.info.limits
-        drafter = make_drafter(self.options.drafter, depth_limit=limits.max_tree_depth)
-        return await split_generate(self.link, drafter, request, self.budget(), listener,
-                                    self.options.link_policy,
-                                    max_chain=min(limits.max_tree_nodes, limits.max_tree_depth))
+        if self._drafters.needs_activations:
+            request = replace(request, activations=self.options.activation_format)
+        async with self._drafters.checkout() as drafter:
+            return await split_generate(
+                self.link, drafter, request, self.budget(), listener, self.options.link_policy,
+                max_chain=min(limits.max_tree_nodes, limits.max_tree_depth))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

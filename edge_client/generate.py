@@ -251,6 +251,8 @@ class SplitGeneration:
         if verdict.committed_length != len(self.context) + len(verdict.tokens):
             raise LinkError(f"protocol error: server holds {verdict.committed_length} tokens, "
                             f"the edge {len(self.context) + len(verdict.tokens)}")
+        if verdict.activations is not None:
+            self.drafter.add_activations(verdict.activations.start, verdict.activations.values)
         tokens = list(verdict.tokens)
         self.context.extend(tokens)
         self.result.output_ids.extend(tokens)

@@ -178,7 +178,10 @@ class DecodeStream:
         if raw is grpc.aio.EOF:
             raise await self._ended()
         self.bytes_down += raw.ByteSize() + GRPC_FRAME_BYTES
-        return wire.server_from_proto(raw)
+        try:
+            return wire.server_from_proto(raw)
+        except ValueError as err:
+            raise LinkError(f"protocol error from {self._address}: {err}") from None
 
     async def _write_failed(self) -> LinkError:
         """A refusal when the server ended the call; otherwise the transport failed under the

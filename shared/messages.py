@@ -5,7 +5,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
 
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
@@ -25,6 +27,21 @@ class FinishReason(enum.Enum):
 
 class ArtifactKind(enum.Enum):
     TOKENIZER = 1
+    DRAFTER_BUNDLE = 2
+
+
+class ActivationFormat(enum.Enum):
+    FP16 = 1
+    INT8 = 2
+
+
+@dataclass(frozen=True)
+class ActivationRows:
+    """The server half's output for committed positions start, start + 1, ... (DESIGN 3.1)."""
+
+    start: int
+    values: np.ndarray = field(compare=False)  # [rows, width]
+    format: ActivationFormat = ActivationFormat.FP16
 
 
 @dataclass(frozen=True)
@@ -56,6 +73,7 @@ class ServerInfo:
     limits: Limits
     artifacts: tuple[ArtifactInfo, ...]
     verify_costs: tuple[tuple[int, float], ...] = ()  # (tree nodes, ms), nodes ascending
+    activation_width: int = 0  # 0: the server computes no activations (no drafter bundle)
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,7 @@ class OpenRequest:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     resume: Resume | None = None
+    activations: ActivationFormat | None = None  # a drafter fed by the server half asks
 
 
 @dataclass(frozen=True)
@@ -128,6 +147,7 @@ class Verdict:
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     queue_ms: float = 0.0
     verify_ms: float = 0.0
+    activations: ActivationRows | None = None
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,14 @@
 """The wire codec: protobuf messages <-> domain types. The one module that touches both."""
 from __future__ import annotations
 
+import numpy as np
+
 from shared.acceptance import AcceptanceMode
+from shared.activation_codec import from_int8, to_int8
 from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
 from shared.messages import (
-    ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage, CloseRequest, Done, DraftRequest,
+    ActivationFormat, ActivationRows, ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage, CloseRequest, Done, DraftRequest,
     FinishReason, GenerateRequest, Limits, OpenRequest, Opened, Resume, ServerInfo, ServerMessage,
     Verdict,
 )
@@ -29,6 +32,7 @@ def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
             for a in info.artifacts
         ],
         verify_costs=[pb.VerifyCost(nodes=n, ms=ms) for n, ms in info.verify_costs],
+        activation_width=info.activation_width,
     )
 
 
@@ -45,6 +49,7 @@ def info_from_proto(msg: pb.InfoResponse) -> ServerInfo:
             for a in msg.artifacts
         ),
         verify_costs=tuple((c.nodes, c.ms) for c in msg.verify_costs),
+        activation_width=msg.activation_width,
     )
 
 
@@ -61,6 +66,7 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
     if msg.resume is not None:
         open_msg.resume.CopyFrom(pb.Resume(session_id=msg.resume.session_id,
                                            generated_ids=msg.resume.generated_ids))
+    open_msg.activations = activation_format_to_proto(msg.activations)
     return open_msg
 
 
@@ -104,7 +110,8 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
                   acceptance=_mode_from_proto(msg.acceptance),
                   stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
                   resume=(Resume(msg.resume.session_id, tuple(msg.resume.generated_ids))
-                          if msg.HasField("resume") else None))
+                          if msg.HasField("resume") else None),
+                  activations=activation_format_from_proto(msg.activations))
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
@@ -145,13 +152,55 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
             acceptance=_mode_to_proto(msg.acceptance), seed=msg.seed,
             resumed=msg.resumed))
     if isinstance(msg, Verdict):
-        return pb.ServerMessage(verdict=pb.Verdict(
+        verdict = pb.Verdict(
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
             committed_length=msg.committed_length, finish_reason=msg.finish_reason.value,
-            timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms)))
+            timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms))
+        if msg.activations is not None:
+            verdict.activations.CopyFrom(_activations_to_proto(msg.activations))
+        return pb.ServerMessage(verdict=verdict)
     return pb.ServerMessage(done=pb.Done(
         finish_reason=msg.finish_reason.value, generated_tokens=msg.generated_tokens,
         rounds=msg.rounds))
+
+
+def _activations_to_proto(rows: ActivationRows) -> pb.Activations:
+    """fp16 values, or int8 values with one fp16 scale per row (shared/activation_codec.py)."""
+    n, width = rows.values.shape
+    msg = pb.Activations(start=rows.start, rows=n, width=width,
+                         format=pb.ActivationFormat.Value(f"ACTIVATION_FORMAT_{rows.format.name}"))
+    if rows.format is ActivationFormat.INT8:
+        values, scales = to_int8(rows.values)
+        msg.data, msg.scales = values.tobytes(), scales.astype("<f2").tobytes()
+    else:
+        msg.data = np.asarray(rows.values, dtype="<f2").tobytes()
+    return msg
+
+
+def _activations_from_proto(msg: pb.Activations) -> ActivationRows:
+    name = pb.ActivationFormat.Name(msg.format).removeprefix("ACTIVATION_FORMAT_")
+    if name not in ActivationFormat.__members__:
+        raise ValueError(f"activations in unknown format {msg.format}")
+    fmt = ActivationFormat[name]
+    shape = (msg.rows, msg.width)
+    value_bytes = 1 if fmt is ActivationFormat.INT8 else 2
+    if len(msg.data) != msg.rows * msg.width * value_bytes:
+        raise ValueError(f"activations of {msg.rows} x {msg.width} carry {len(msg.data)} bytes")
+    if fmt is ActivationFormat.INT8:
+        values = np.frombuffer(msg.data, dtype=np.int8).reshape(shape)
+        scales = np.frombuffer(msg.scales, dtype="<f2").reshape(msg.rows)
+        return ActivationRows(msg.start, from_int8(values, scales), fmt)
+    values = np.frombuffer(msg.data, dtype="<f2").reshape(shape)
+    return ActivationRows(msg.start, values.astype(np.float32), fmt)
+
+
+def activation_format_to_proto(fmt: ActivationFormat | None) -> int:
+    return 0 if fmt is None else pb.ActivationFormat.Value(f"ACTIVATION_FORMAT_{fmt.name}")
+
+
+def activation_format_from_proto(value: int) -> ActivationFormat | None:
+    name = pb.ActivationFormat.Name(value).removeprefix("ACTIVATION_FORMAT_")
+    return None if name == "UNSPECIFIED" else ActivationFormat[name]
 
 
 def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
@@ -163,7 +212,9 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     if kind == "verdict":
         v = msg.verdict
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,
-                       FinishReason(v.finish_reason), v.timings.queue_ms, v.timings.verify_ms)
+                       FinishReason(v.finish_reason), v.timings.queue_ms, v.timings.verify_ms,
+                       _activations_from_proto(v.activations) if v.HasField("activations")
+                       else None)
     if kind == "done":
         d = msg.done
         return Done(FinishReason(d.finish_reason), d.generated_tokens, d.rounds)

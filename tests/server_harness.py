@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 
 from cloud_server.server import build_service, start
 from cloud_server.target import TargetModel
@@ -12,8 +13,9 @@ from shared.messages import Limits
 class ServerThread:
     """The server on its own event loop in a daemon thread; `address` is HOST:PORT."""
 
-    def __init__(self, target: TargetModel, limits: Limits = Limits(), port: int = 0):
-        self.service = build_service(target, limits)
+    def __init__(self, target: TargetModel, limits: Limits = Limits(), port: int = 0,
+                 drafter_dir: Path | None = None):
+        self.service = build_service(target, limits, drafter_dir=drafter_dir)
         self._port = port
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()

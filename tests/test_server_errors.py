@@ -76,6 +76,8 @@ BAD_INPUTS = {
     "max_new_tokens over limit": ([open_msg(max_new_tokens=65)], "INVALID_ARGUMENT",
                                   "max_new_tokens"),
     "empty client message": ([pb.ClientMessage()], "INVALID_ARGUMENT", "no open"),
+    "activations without a drafter": ([open_msg(activations=pb.ACTIVATION_FORMAT_FP16)],
+                                      "INVALID_ARGUMENT", "no drafter"),
 }
 
 

@@ -11,6 +11,13 @@ class ArtifactKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ARTIFACT_KIND_UNSPECIFIED: _ClassVar[ArtifactKind]
     ARTIFACT_KIND_TOKENIZER: _ClassVar[ArtifactKind]
+    ARTIFACT_KIND_DRAFTER_BUNDLE: _ClassVar[ArtifactKind]
+
+class ActivationFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ACTIVATION_FORMAT_UNSPECIFIED: _ClassVar[ActivationFormat]
+    ACTIVATION_FORMAT_FP16: _ClassVar[ActivationFormat]
+    ACTIVATION_FORMAT_INT8: _ClassVar[ActivationFormat]
 
 class AcceptanceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -29,6 +36,10 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
 ARTIFACT_KIND_UNSPECIFIED: ArtifactKind
 ARTIFACT_KIND_TOKENIZER: ArtifactKind
+ARTIFACT_KIND_DRAFTER_BUNDLE: ArtifactKind
+ACTIVATION_FORMAT_UNSPECIFIED: ActivationFormat
+ACTIVATION_FORMAT_FP16: ActivationFormat
+ACTIVATION_FORMAT_INT8: ActivationFormat
 ACCEPTANCE_MODE_UNSPECIFIED: AcceptanceMode
 ACCEPTANCE_MODE_GREEDY: AcceptanceMode
 ACCEPTANCE_MODE_TOPK_DRAFTS: AcceptanceMode
@@ -62,6 +73,22 @@ class Limits(_message.Message):
     session_idle_timeout_s: int
     def __init__(self, max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., max_prompt_tokens: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., session_idle_timeout_s: _Optional[int] = ...) -> None: ...
 
+class Activations(_message.Message):
+    __slots__ = ("start", "rows", "width", "format", "data", "scales")
+    START_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SCALES_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    rows: int
+    width: int
+    format: ActivationFormat
+    data: bytes
+    scales: bytes
+    def __init__(self, start: _Optional[int] = ..., rows: _Optional[int] = ..., width: _Optional[int] = ..., format: _Optional[_Union[ActivationFormat, str]] = ..., data: _Optional[bytes] = ..., scales: _Optional[bytes] = ...) -> None: ...
+
 class Artifact(_message.Message):
     __slots__ = ("name", "kind", "sha256", "size_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -83,7 +110,7 @@ class VerifyCost(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "tokenizer_sha256", "vocab_size", "stop_token_ids", "limits", "artifacts", "verify_costs")
+    __slots__ = ("protocol_version", "model_id", "tokenizer_sha256", "vocab_size", "stop_token_ids", "limits", "artifacts", "verify_costs", "activation_width")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +119,7 @@ class InfoResponse(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_WIDTH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     tokenizer_sha256: str
@@ -100,7 +128,8 @@ class InfoResponse(_message.Message):
     limits: Limits
     artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
     verify_costs: _containers.RepeatedCompositeFieldContainer[VerifyCost]
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ...) -> None: ...
+    activation_width: int
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., activation_width: _Optional[int] = ...) -> None: ...
 
 class FetchArtifactRequest(_message.Message):
     __slots__ = ("name",)
@@ -153,7 +182,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +191,7 @@ class Open(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
@@ -170,7 +200,8 @@ class Open(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     resume: Resume
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+    activations: ActivationFormat
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("session_id", "generated_ids")
@@ -251,20 +282,22 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings")
+    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     committed_length: int
     finish_reason: FinishReason
     timings: ServerTimings
-    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ...) -> None: ...
+    activations: Activations
+    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("finish_reason", "generated_tokens", "rounds")

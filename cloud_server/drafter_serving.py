@@ -1,0 +1,56 @@
+"""Serving a MoA drafter: its server half computes activations, its edge half goes out as a
+bundle artifact (DESIGN section 3.1).
+
+The bundle (ONNX export + int8 quantization of the edge half with the target's embedding and
+head) is built once per trained drafter and cached under the cache root, keyed by the sha256 of
+the drafter's files and the model id, so a restart serves the same bytes at once.
+"""
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from cloud_server.moa.activations import ServerActivations
+from cloud_server.moa.bundle import archive, build_bundle
+from cloud_server.moa.weights import CONFIG, WEIGHTS, committed_drafter
+from cloud_server.target import TargetModel
+from shared.cache import cache_root
+
+BUNDLE_ARTIFACT = "drafter-moa"
+
+
+@dataclass
+class ServedDrafter:
+    activations: ServerActivations
+    width: int
+    bundle: bytes  # the archive FetchArtifact streams
+
+
+def find_drafter(choice: str, model_id: str) -> Path | None:
+    """`--drafter-dir`: 'default' is the drafter committed for the model (if any), 'none' none,
+    anything else a directory holding moa.safetensors and moa_config.json."""
+    if choice == "none":
+        return None
+    if choice == "default":
+        return committed_drafter(model_id)
+    path = Path(choice)
+    if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
+        raise FileNotFoundError(f"{path} holds no trained drafter ({WEIGHTS}, {CONFIG})")
+    return path
+
+
+def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
+    """Loads the server half and the (cached) bundle; run it on the model thread."""
+    activations = ServerActivations.load(drafter_dir, target.model)
+    digest = hashlib.sha256(target.model_id.encode())
+    for name in (WEIGHTS, CONFIG):
+        digest.update((drafter_dir / name).read_bytes())
+    root = cache_root() / "bundles" / digest.hexdigest()[:24]
+    built = sorted(root.glob("moa-*")) if root.is_dir() else []
+    if not built:
+        print("building the drafter bundle (ONNX export, int8) ...", file=sys.stderr, flush=True)
+        built = [build_bundle(drafter_dir, target.model, target.model_id, root,
+                              target.tokenizer_json())]
+    return ServedDrafter(activations, activations.config.width, archive(built[0]))

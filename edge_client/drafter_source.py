@@ -1,0 +1,72 @@
+"""Which drafter object a generation uses: a training-free one by name, or the MoA drafter from
+the bundle the server offers, fetched once and cached by sha256 (DESIGN section 3.1).
+
+Once cached, the bundle needs no server: the drafter keeps drafting offline with it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from typing import AsyncIterator, Callable
+
+from edge_client.drafters import DRAFTERS, make_drafter
+from edge_client.drafters.base import Drafter
+from edge_client.drafters.moa_bundle import bundle_cache_dir, find_bundle, install_bundle
+from edge_client.link import LinkError, ServerLink
+from shared.acceptance import AcceptanceMode
+from shared.messages import ArtifactKind, ServerInfo
+
+MOA = "moa"
+DRAFTER_NAMES = (*sorted(DRAFTERS), MOA)
+
+
+def sampling_acceptance(name: str) -> AcceptanceMode:
+    """The rule a drafter drafts best for under sampling (README, benchmarks/sampling.py)."""
+    return AcceptanceMode.TOPK_DRAFTS if name == MOA else DRAFTERS[name].sampling_acceptance
+
+
+class DrafterPool:
+    """Lends a drafter to each generation. Training-free drafters are cheap and made fresh each
+    time; the MoA drafter (ONNX sessions, slow to build) is built once and lent to one
+    generation at a time."""
+
+    def __init__(self, make: Callable[[], Drafter], shared: bool):
+        self._make = make
+        self._shared = make() if shared else None
+        self._lock = asyncio.Lock()
+
+    @property
+    def needs_activations(self) -> bool:
+        return self._shared is not None
+
+    @contextlib.asynccontextmanager
+    async def checkout(self) -> AsyncIterator[Drafter]:
+        if self._shared is None:
+            yield self._make()
+            return
+        async with self._lock:
+            yield self._shared
+
+
+async def drafter_pool(name: str, link: ServerLink, info: ServerInfo) -> DrafterPool:
+    if name != MOA:
+        return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth),
+                           shared=False)
+    bundle_dir = await _moa_bundle(link, info)
+    from edge_client.drafters.moa import MoaDrafter  # onnxruntime: only when asked for
+
+    return DrafterPool(lambda: MoaDrafter(bundle_dir), shared=True)
+
+
+async def _moa_bundle(link: ServerLink, info: ServerInfo) -> Path:
+
+    bundle = next((a for a in info.artifacts if a.kind is ArtifactKind.DRAFTER_BUNDLE), None)
+    if bundle is None or not info.activation_width:
+        raise LinkError(f"the server ({info.model_id}) offers no MoA drafter: use --drafter "
+                        f"{' or '.join(sorted(DRAFTERS))}")
+    cached = bundle_cache_dir(bundle.sha256)
+    if cached.is_dir():
+        return find_bundle(cached)
+    data = await link.fetch_artifact(bundle.name, bundle.sha256)
+    return install_bundle(data, bundle.sha256)

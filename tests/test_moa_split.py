@@ -1,0 +1,73 @@
+"""The MoA drafter through the real server and client on the tiny target: the server offers
+the bundle, the edge fetches and caches it, Verdicts carry the server half's activations, and
+greedy split decoding stays identical to plain greedy decoding, through an outage too."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cloud_server.reference import compare, plain_greedy
+from edge_client.client import ClientOptions, EdgeClient
+from edge_client.drafters.moa_bundle import bundle_cache_dir
+from edge_client.link import LinkError
+from shared.messages import ActivationFormat, ArtifactKind, Limits, OpenRequest
+from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+from tests.server_harness import ServerThread
+
+PROMPTS = [(1, 46, 47, 48, 49), (1, 52, 53, 54, 55), (1, 60, 61, 62)]
+MAX_NEW = 32
+LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def moa_server(tiny_target, tiny_drafter_dir):
+    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir) as server:
+        yield server
+
+
+def run(address: str, options: ClientOptions, prompts=PROMPTS):
+    async def go():
+        async with EdgeClient(address, options) as client:
+            return [await client.generate(OpenRequest(prompt_ids=p, max_new_tokens=MAX_NEW))
+                    for p in prompts]
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("fmt", list(ActivationFormat))
+def test_moa_split_greedy_equals_plain(moa_server, tiny_target, fmt, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    results = run(moa_server.address, ClientOptions("moa", 16, MAX_NEW, activation_format=fmt))
+    for prompt, result in zip(PROMPTS, results):
+        plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+        assert compare(tiny_target, prompt, result.output_ids, plain).lossless
+    tokens = sum(len(r.output_ids) for r in results)
+    assert sum(r.rounds for r in results) < tokens / 1.5, "the MoA drafts are rarely accepted"
+    bundle = next(a for a in moa_server.service.info().artifacts
+                  if a.kind is ArtifactKind.DRAFTER_BUNDLE)
+    assert bundle_cache_dir(bundle.sha256).is_dir()  # fetched once, cached by sha256
+
+
+def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=15),
+                                             outage_mode=OutageMode.CUT)
+
+    async def go(proxy: ProxyThread):
+        async with EdgeClient(proxy.address, ClientOptions("moa", 1, MAX_NEW)) as client:
+            task = asyncio.create_task(
+                client.generate(OpenRequest(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW)))
+            await asyncio.sleep(0.3)
+            proxy.start_outage(1.0)
+            return await asyncio.wait_for(task, 60)
+
+    with ProxyThread(moa_server.address, conditions) as proxy:
+        result = asyncio.run(go(proxy))
+    plain = plain_greedy(tiny_target, PROMPTS[0], MAX_NEW)
+    assert compare(tiny_target, PROMPTS[0], result.output_ids, plain).lossless
+    assert result.offline_tokens > 0 and result.reconnects >= 1
+
+
+def test_moa_is_refused_by_a_server_without_a_drafter(tiny_server):
+    with pytest.raises(LinkError, match="no MoA drafter"):
+        run(tiny_server.address, ClientOptions("moa", 8, MAX_NEW))
