@@ -30,6 +30,18 @@ def tiny_server(tiny_target):
         yield server
 
 
+@pytest.fixture(scope="module")
+def isolated_server(tiny_target):
+    """A tiny server for one module whose tests leave orphaned sessions behind (held for a
+    resume until the idle timeout), which must not count against other tests' session limit."""
+    from shared.messages import Limits
+    from tests.server_harness import ServerThread
+
+    with ServerThread(tiny_target, Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
+                                          max_sessions=16, session_idle_timeout_s=5)) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head)."""

@@ -19,14 +19,6 @@ from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThrea
 from tests.server_harness import ServerThread
 
 
-@pytest.fixture(scope="module")
-def own_server(tiny_target):
-    """A server of this module's own: its tests leave orphaned sessions behind (held for a
-    resume until the idle timeout), which must not count against other tests' session limit."""
-    with ServerThread(tiny_target, Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
-                                          max_sessions=16, session_idle_timeout_s=5)) as server:
-        yield server
-
 PROMPT = tuple([5, 6, 7, 8, 5, 6, 7] * 3)
 MAX_NEW = 48
 LINK = LinkConfig(connect_timeout_s=3.0, resume_timeout_s=1.5, round_timeout_s=10.0)
@@ -68,47 +60,47 @@ def slow_link(mode: OutageMode) -> NetworkConditions:
 
 @pytest.mark.parametrize("mode", [OutageMode.CUT, OutageMode.BLACKHOLE])
 @pytest.mark.parametrize("moment", ["prefill", "mid-round", "during resume"])
-def test_outage_loses_nothing(own_server, tiny_target, mode, moment):
+def test_outage_loses_nothing(isolated_server, tiny_target, mode, moment):
     duration = 0.8 if mode is OutageMode.CUT else 2.5  # a black hole shows only by keepalive
     rng = random.Random(f"{mode}/{moment}")
     outages = {"prefill": [(0.0, duration)],
                "mid-round": [(rng.uniform(0.1, 0.5), duration)],
                "during resume": [(0.2, duration), (0.2 + duration + 0.05, duration)]}[moment]
-    with ProxyThread(own_server.address, slow_link(mode)) as proxy:
+    with ProxyThread(isolated_server.address, slow_link(mode)) as proxy:
         result = asyncio.run(generate_with_outages(proxy.address, proxy, outages))
     assert_lossless(tiny_target, result)
     assert result.reconnects >= 1 or moment == "prefill"
 
 
-def test_offline_text_is_checked_and_corrected(own_server, tiny_target):
-    with ProxyThread(own_server.address, slow_link(OutageMode.CUT)) as proxy:
+def test_offline_text_is_checked_and_corrected(isolated_server, tiny_target):
+    with ProxyThread(isolated_server.address, slow_link(OutageMode.CUT)) as proxy:
         result = asyncio.run(generate_with_outages(proxy.address, proxy, [(0.3, 1.0)]))
     assert_lossless(tiny_target, result)
     assert result.offline_tokens > 0, "the drafter drafted nothing while the link was down"
     assert result.outage_s > 0.5
 
 
-def test_wait_policy_drafts_nothing_offline(own_server, tiny_target):
+def test_wait_policy_drafts_nothing_offline(isolated_server, tiny_target):
     policy = LinkPolicy(offline=OfflinePolicy.WAIT, reconnect_timeout_s=20.0, backoff_max_s=0.5)
-    with ProxyThread(own_server.address, slow_link(OutageMode.CUT)) as proxy:
+    with ProxyThread(isolated_server.address, slow_link(OutageMode.CUT)) as proxy:
         result = asyncio.run(generate_with_outages(proxy.address, proxy, [(0.3, 1.0)], policy))
     assert_lossless(tiny_target, result)
     assert result.offline_tokens == 0 and result.reconnects >= 1
 
 
-def test_keep_policy_keeps_unverified_text_when_the_server_never_returns(own_server):
+def test_keep_policy_keeps_unverified_text_when_the_server_never_returns(isolated_server):
     policy = LinkPolicy(offline=OfflinePolicy.KEEP, reconnect_timeout_s=1.0, backoff_max_s=0.3)
-    with ProxyThread(own_server.address, slow_link(OutageMode.CUT)) as proxy:
+    with ProxyThread(isolated_server.address, slow_link(OutageMode.CUT)) as proxy:
         result = asyncio.run(generate_with_outages(proxy.address, proxy, [(0.3, 30.0)], policy))
     assert result.unverified_ids, "no unverified text kept"
     assert len(result.output_ids) + len(result.unverified_ids) <= MAX_NEW
 
 
-def test_giving_up_raises_after_the_reconnect_timeout(own_server):
+def test_giving_up_raises_after_the_reconnect_timeout(isolated_server):
     from edge_client.link import ServerUnreachable
 
     policy = LinkPolicy(reconnect_timeout_s=1.0, backoff_max_s=0.3)
-    with ProxyThread(own_server.address, slow_link(OutageMode.CUT)) as proxy:
+    with ProxyThread(isolated_server.address, slow_link(OutageMode.CUT)) as proxy:
         with pytest.raises(ServerUnreachable, match="gave up"):
             asyncio.run(generate_with_outages(proxy.address, proxy, [(0.3, 30.0)], policy))
 
@@ -143,12 +135,12 @@ def test_server_restart_rebuilds_the_session_from_history(tiny_target):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_random_outages_over_many_generations(own_server, tiny_target, seed):
+def test_random_outages_over_many_generations(isolated_server, tiny_target, seed):
     """Three outages at random moments of a generation (cut or black hole, 0.2-0.6 s each,
     possibly overlapping), drawn from the seed: every generation ends with the plain text."""
     rng = random.Random(seed)
     mode = rng.choice(list(OutageMode))
     outages = sorted((rng.uniform(0.0, 1.5), rng.uniform(0.2, 0.6)) for _ in range(3))
-    with ProxyThread(own_server.address, slow_link(mode)) as proxy:
+    with ProxyThread(isolated_server.address, slow_link(mode)) as proxy:
         result = asyncio.run(generate_with_outages(proxy.address, proxy, outages))
     assert_lossless(tiny_target, result)

@@ -17,14 +17,6 @@ from shared.tree import DraftTree
 from tests.server_harness import ServerThread
 
 
-@pytest.fixture(scope="module")
-def own_server(tiny_target):
-    """A server of this module's own: its tests leave orphaned sessions behind (held for a
-    resume until the idle timeout), which must not count against other tests' session limit."""
-    with ServerThread(tiny_target, Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
-                                          max_sessions=16, session_idle_timeout_s=5)) as server:
-        yield server
-
 PROMPT = (5, 6, 7, 8, 5, 6, 7)
 MAX_NEW = 24
 
@@ -62,9 +54,9 @@ async def resume_to_the_end(link: ServerLink, opened: Opened, history: list[int]
     return again, first, generated
 
 
-def test_resume_sends_what_a_lost_verdict_carried(own_server, tiny_target):
+def test_resume_sends_what_a_lost_verdict_carried(isolated_server, tiny_target):
     async def go():
-        async with ServerLink(own_server.address) as link:
+        async with ServerLink(isolated_server.address) as link:
             opened, generated = await open_and_step(link, 3)
             await asyncio.sleep(0.2)  # the server notices the stream is gone
             held = generated[:-2]  # the edge never saw the last Verdict or two
@@ -76,9 +68,9 @@ def test_resume_sends_what_a_lost_verdict_carried(own_server, tiny_target):
     assert compare(tiny_target, PROMPT, final, plain_greedy(tiny_target, PROMPT, MAX_NEW)).lossless
 
 
-def test_unknown_session_is_rebuilt_from_history(own_server, tiny_target):
+def test_unknown_session_is_rebuilt_from_history(isolated_server, tiny_target):
     async def go():
-        async with ServerLink(own_server.address) as link:
+        async with ServerLink(isolated_server.address) as link:
             opened, generated = await open_and_step(link, 2)
             return await resume_to_the_end(link, opened, generated, session_id="gone")
     again, first, final = asyncio.run(go())
@@ -86,9 +78,9 @@ def test_unknown_session_is_rebuilt_from_history(own_server, tiny_target):
     assert compare(tiny_target, PROMPT, final, plain_greedy(tiny_target, PROMPT, MAX_NEW)).lossless
 
 
-def test_resume_with_a_history_the_session_never_had_is_refused(own_server):
+def test_resume_with_a_history_the_session_never_had_is_refused(isolated_server):
     async def go():
-        async with ServerLink(own_server.address) as link:
+        async with ServerLink(isolated_server.address) as link:
             opened, generated = await open_and_step(link, 1)
             await asyncio.sleep(0.2)
             forged = [(generated[0] + 1) % 256] + generated[1:]
@@ -108,9 +100,9 @@ async def server_generate(address: str, request: GenerateRequest) -> tuple[list[
 
 
 @pytest.mark.parametrize("drafter", [None, "pld", "aded"])
-def test_server_side_generation_equals_plain_greedy(own_server, tiny_target, drafter):
+def test_server_side_generation_equals_plain_greedy(isolated_server, tiny_target, drafter):
     request = GenerateRequest(OpenRequest(prompt_ids=PROMPT * 3, max_new_tokens=MAX_NEW), drafter)
-    tokens, forwards = asyncio.run(server_generate(own_server.address, request))
+    tokens, forwards = asyncio.run(server_generate(isolated_server.address, request))
     plain = plain_greedy(tiny_target, PROMPT * 3, MAX_NEW)
     assert compare(tiny_target, PROMPT * 3, tokens, plain).lossless
     if drafter is None:
@@ -120,15 +112,15 @@ def test_server_side_generation_equals_plain_greedy(own_server, tiny_target, dra
 
 
 @pytest.mark.parametrize("mode", list(AcceptanceMode)[1:])
-def test_server_side_generation_samples_in_every_mode(own_server, mode):
+def test_server_side_generation_samples_in_every_mode(isolated_server, mode):
     open_ = OpenRequest(prompt_ids=PROMPT * 3, max_new_tokens=MAX_NEW,
                         sampling=SamplingParams(temperature=0.9, seed=5), acceptance=mode)
-    runs = [asyncio.run(server_generate(own_server.address, GenerateRequest(open_, "pld")))
+    runs = [asyncio.run(server_generate(isolated_server.address, GenerateRequest(open_, "pld")))
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0][0]) == MAX_NEW
 
 
-def test_server_side_generation_refuses_an_unknown_drafter(own_server):
+def test_server_side_generation_refuses_an_unknown_drafter(isolated_server):
     request = GenerateRequest(OpenRequest(prompt_ids=PROMPT), "eagle-9")
     with pytest.raises(LinkError, match="unknown drafter"):
-        asyncio.run(server_generate(own_server.address, request))
+        asyncio.run(server_generate(isolated_server.address, request))
