@@ -8,7 +8,6 @@ section 4.2). Works for any transformers causal LM whose cache is a DynamicCache
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch

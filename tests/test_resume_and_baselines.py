@@ -10,11 +10,10 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.messages import (
-    Done, DraftRequest, GenerateRequest, Limits, OpenRequest, Opened, Resume, Verdict,
+    Done, DraftRequest, GenerateRequest, OpenRequest, Opened, Resume, Verdict,
 )
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
-from tests.server_harness import ServerThread
 
 
 PROMPT = (5, 6, 7, 8, 5, 6, 7)
