@@ -36,7 +36,7 @@ CHECKPOINT = "checkpoint.pt"
 
 @dataclass(frozen=True)
 class TrainSettings:
-    steps: int = 1200  # ~1.5 s each for SmolLM2 on 2 free CPU cores
+    steps: int = 1000  # 1.5-2.5 s each for SmolLM2 on this 2-core CPU
     batch_tokens: int = 1024  # padded tokens per batch (prompt + answer)
     max_len: int = 416  # a sequence is cut to this many tokens
     lr: float = 1e-3
