@@ -84,3 +84,13 @@ def test_int8_activations_round_trip_closely(tiny_target, tiny_drafter_dir):
     assert values.dtype == np.int8 and scales.dtype == np.float16
     error = np.abs(from_int8(values, scales) - acts).max(axis=1)  # [n]
     assert (error <= 0.6 * np.abs(acts).max(axis=1) / 127 + 1e-6).all()
+
+
+def test_edge_side_of_moa_does_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys\nimport edge_client.drafters.moa, edge_client.drafters.moa_bundle\n"
+            "import shared.activation_codec\n"
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -99,3 +99,15 @@ def test_tree_masked_queries_match_their_paths(tiny_target):
             want = edge.hidden(torch.tensor([path[-1:]]), positions[-1:], k, v,
                                torch.zeros(1, 1, 1, len(path)), *mem, None)[0, 0]
             torch.testing.assert_close(got[node], want, atol=1e-4, rtol=1e-4)
+
+
+def test_sa_started_from_the_target_computes_its_first_layer(tiny_target):
+    config, _, edge = build(tiny_target)
+    edge.init_from_target(tiny_target.model)
+    ids = torch.tensor([PROMPT])
+    positions = torch.arange(len(PROMPT))
+    with torch.no_grad():
+        keys, values = edge.sa_kv(ids, positions)
+        mine = edge.sa(edge.embedding[ids], positions, keys, values, causal_mask(len(PROMPT)))
+        theirs = tiny_target.model(input_ids=ids, output_hidden_states=True).hidden_states[1]
+    torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)

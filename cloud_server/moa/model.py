@@ -105,6 +105,18 @@ class EdgeHalf(nn.Module):
         head = target.get_output_embeddings().weight.float()
         return cls(config, target.get_input_embeddings().weight.float(), norm, head, vocab_ids)
 
+    @torch.no_grad()
+    def init_from_target(self, target: nn.Module) -> None:
+        """Starts SA as a copy of the target's first layer and CA (all but its K/V projections,
+        which read the activations, not the residual stream) as a copy of its last layer.
+
+        SA over the token embeddings then computes exactly the target's first layer, and CA
+        starts as a residual update the target's head already understands; training from
+        there learned faster than from random weights on this CPU budget."""
+        layers = target.model.layers
+        _copy_layer(self.sa, layers[0], with_kv=True)
+        _copy_layer(self.ca, layers[-1], with_kv=False)
+
     def memory_kv(self, activations: torch.Tensor,
                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """activations: [batch, m, width], positions: [m] -> CA keys, values:
@@ -146,6 +158,25 @@ class EdgeHalf(nn.Module):
         mem_keys, mem_values = self.memory_kv(activations, positions)
         return self.hidden(ids, positions, sa_keys, sa_values, sa_mask, mem_keys, mem_values,
                            ca_mask)
+
+
+def _copy_layer(block: Block, layer: nn.Module, with_kv: bool) -> None:
+    """Copies a transformers Llama-like decoder layer's weights into a Block of equal sizes."""
+    pairs = [(block.attn_norm.weight, layer.input_layernorm.weight),
+             (block.mlp_norm.weight, layer.post_attention_layernorm.weight),
+             (block.attn.q_proj.weight, layer.self_attn.q_proj.weight),
+             (block.attn.o_proj.weight, layer.self_attn.o_proj.weight),
+             (block.mlp.gate_proj.weight, layer.mlp.gate_proj.weight),
+             (block.mlp.up_proj.weight, layer.mlp.up_proj.weight),
+             (block.mlp.down_proj.weight, layer.mlp.down_proj.weight)]
+    if with_kv:
+        pairs += [(block.attn.k_proj.weight, layer.self_attn.k_proj.weight),
+                  (block.attn.v_proj.weight, layer.self_attn.v_proj.weight)]
+    for mine, theirs in pairs:
+        if mine.shape != theirs.shape:
+            raise ValueError(f"cannot start from the target's layer: {tuple(mine.shape)} vs "
+                             f"{tuple(theirs.shape)}")
+        mine.copy_(theirs.float())
 
 
 def layer_kv_from_cache(cache, layers: tuple[int, ...], start: int, end: int) -> torch.Tensor:

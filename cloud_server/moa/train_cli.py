@@ -28,7 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--max-prompts", type=int, default=None, help="use the first N prompts")
+    p.add_argument("--max-prompts", type=int, default=640,
+                   help="use the first N prompts (before dropping those over the length cap)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-new-tokens", type=int, default=160, help="answer length cap")
     p.add_argument("--answer-batch", type=int, default=32, help="prompts answered at once")
