@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,10 +60,18 @@ def split_greedy(target, server, drafter, prompt: list[int], max_new: int,
         log.server_s += time.perf_counter() - verified
         log.draft_s += drafted - start
         log.verify_s += verified - drafted
-        committed += acceptance.tokens
-        log.per_round.append(len(acceptance.tokens))
+        tokens = _through_stop(acceptance.tokens, stops)
+        committed += tokens
+        log.per_round.append(len(tokens))
     log.tokens = committed[len(prompt):]
     return log
+
+
+def _through_stop(tokens: tuple[int, ...], stops: set[int]) -> tuple[int, ...]:
+    """A round's tokens up to and including the first stop token: the tree may run past it,
+    generation may not (the server cuts the same way)."""
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
+    return tokens[:end]
 
 
 def plain_step_ms(target, repeat: int = 9) -> float:
@@ -75,7 +84,7 @@ def plain_step_ms(target, repeat: int = 9) -> float:
         start = time.perf_counter()
         target.forward_tree(cache, 42, DraftTree((), ()))
         samples.append(1000 * (time.perf_counter() - start))
-        cache.crop(150)
+        cache.crop(-1)
     return statistics.median(samples)
 
 
@@ -146,6 +155,8 @@ def run(args: argparse.Namespace) -> None:
             plain = plain_greedy(target, prompt, args.max_new_tokens)
             same = compare(target, prompt, log.tokens[:args.max_new_tokens], plain).lossless
             logs.append((log, same))
+            print(f"{item['id']}: tau {sum(log.per_round) / len(log.per_round):.2f} over "
+                  f"{len(log.per_round)} rounds, lossless {same}", file=sys.stderr, flush=True)
             for n in log.per_round:
                 depth_hits[:n] += 1
         rounds = [n for log, _ in logs for n in log.per_round]

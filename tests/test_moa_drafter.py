@@ -92,5 +92,6 @@ def test_edge_side_of_moa_does_not_import_torch():
 
     code = ("import sys\nimport edge_client.drafters.moa, edge_client.drafters.moa_bundle\n"
             "import shared.activation_codec\n"
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\nassert not bad, bad\n")
+            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)

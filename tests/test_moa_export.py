@@ -71,3 +71,13 @@ def test_bundle_archive_installs_and_verifies(tiny_bundle, tmp_path, monkeypatch
     (installed / "step.int8.onnx").write_bytes(b"corrupt")
     with pytest.raises(BundleError):
         verify(installed)
+
+
+def test_int8_only_bundle(tiny_target, tiny_drafter_dir, tmp_path):
+    from cloud_server.moa.bundle import build_bundle
+
+    bundle = build_bundle(tiny_drafter_dir, tiny_target.model, "tiny-llama", tmp_path,
+                          precisions=("int8",))
+    manifest = verify(bundle)
+    assert set(manifest["graphs"]) == {"int8"}
+    assert not (bundle / "step.onnx").exists()
