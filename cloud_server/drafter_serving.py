@@ -19,6 +19,7 @@ from cloud_server.target import TargetModel
 from shared.cache import cache_root
 
 BUNDLE_ARTIFACT = "drafter-moa"
+PRECISIONS = ("int8",)  # what the edge runs by default; fp32 would double the download
 
 
 @dataclass
@@ -44,7 +45,7 @@ def find_drafter(choice: str, model_id: str) -> Path | None:
 def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
     """Loads the server half and the (cached) bundle; run it on the model thread."""
     activations = ServerActivations.load(drafter_dir, target.model)
-    digest = hashlib.sha256(target.model_id.encode())
+    digest = hashlib.sha256(f"{target.model_id}/{','.join(PRECISIONS)}".encode())
     for name in (WEIGHTS, CONFIG):
         digest.update((drafter_dir / name).read_bytes())
     root = cache_root() / "bundles" / digest.hexdigest()[:24]
@@ -52,5 +53,5 @@ def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
     if not built:
         print("building the drafter bundle (ONNX export, int8) ...", file=sys.stderr, flush=True)
         built = [build_bundle(drafter_dir, target.model, target.model_id, root,
-                              target.tokenizer_json())]
+                              target.tokenizer_json(), precisions=PRECISIONS)]
     return ServedDrafter(activations, activations.config.width, archive(built[0]))
