@@ -81,3 +81,15 @@ def test_int8_only_bundle(tiny_target, tiny_drafter_dir, tmp_path):
     manifest = verify(bundle)
     assert set(manifest["graphs"]) == {"int8"}
     assert not (bundle / "step.onnx").exists()
+
+
+def test_int8_graph_quantizes_the_embedding_and_head(tiny_bundle):
+    import onnx
+
+    model = onnx.load(str(tiny_bundle / "step.int8.onnx"))
+    assert not [n.output[0] for n in model.graph.node if n.op_type == "Constant"
+                and n.attribute[0].t.ByteSize() > 4096]
+    matrices = [i.name for i in model.graph.initializer
+                if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) >= 2]
+    assert not matrices  # every weight matrix, the embedding and head included, is int8
+    assert {"MatMulInteger", "Gather"} <= {n.op_type for n in model.graph.node}
