@@ -20,6 +20,7 @@ from shared.cache import cache_root
 
 BUNDLE_ARTIFACT = "drafter-moa"
 PRECISIONS = ("int8",)  # what the edge runs by default; fp32 would double the download
+EXPORT_REVISION = 2  # raise when export.py changes what it writes: cached bundles are rebuilt
 
 
 @dataclass
@@ -45,7 +46,8 @@ def find_drafter(choice: str, model_id: str) -> Path | None:
 def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
     """Loads the server half and the (cached) bundle; run it on the model thread."""
     activations = ServerActivations.load(drafter_dir, target.model)
-    digest = hashlib.sha256(f"{target.model_id}/{','.join(PRECISIONS)}".encode())
+    key = f"{target.model_id}/{','.join(PRECISIONS)}/{EXPORT_REVISION}"
+    digest = hashlib.sha256(key.encode())
     for name in (WEIGHTS, CONFIG):
         digest.update((drafter_dir / name).read_bytes())
     root = cache_root() / "bundles" / digest.hexdigest()[:24]
