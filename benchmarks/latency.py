@@ -24,6 +24,7 @@ import numpy as np
 from benchmarks import prompts
 from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
 from edge_client.client import ClientOptions, EdgeClient
+from edge_client.generate import SilentListener
 from edge_client.link import GRPC_FRAME_BYTES, ServerLink
 from shared import wire
 from shared.messages import ChatMessage, GenerateRequest, OpenRequest, Verdict
@@ -50,7 +51,7 @@ def log(msg: str) -> None:
 
 
 @dataclass
-class Arrivals:
+class Arrivals(SilentListener):
     """When each generated token reached the client, from the moment the request left."""
 
     start: float = field(default_factory=time.perf_counter)
@@ -58,12 +59,6 @@ class Arrivals:
 
     def committed(self, ids: list[int]) -> None:
         self.times += [time.perf_counter() - self.start] * len(ids)
-
-    def unverified(self, ids: list[int]) -> None: ...
-
-    def withdraw(self) -> None: ...
-
-    def link_event(self, text: str) -> None: ...
 
     def stats(self) -> dict:
         gaps = np.diff(self.times) * 1000 if len(self.times) > 1 else np.zeros(1)

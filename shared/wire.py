@@ -178,10 +178,9 @@ def _activations_to_proto(rows: ActivationRows) -> pb.Activations:
 
 
 def _activations_from_proto(msg: pb.Activations) -> ActivationRows:
-    name = pb.ActivationFormat.Name(msg.format).removeprefix("ACTIVATION_FORMAT_")
-    if name not in ActivationFormat.__members__:
-        raise ValueError(f"activations in unknown format {msg.format}")
-    fmt = ActivationFormat[name]
+    fmt = activation_format_from_proto(msg.format)
+    if fmt is None:
+        raise ValueError("activations without a format")
     shape = (msg.rows, msg.width)
     value_bytes = 1 if fmt is ActivationFormat.INT8 else 2
     if len(msg.data) != msg.rows * msg.width * value_bytes:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -54,6 +55,15 @@ def test_ask_and_batch_against_real_server(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "Paris" in proc.stdout
         assert "tau" in proc.stderr and "server calls" in proc.stderr
+        # The committed MoA drafter: bundle fetched from the server, activations on every
+        # Verdict; greedy, so the same answer.
+        moa = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
+                                     "--drafter", "moa", "What is the capital of France?"],
+                             capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "SPLITDEC_CACHE": str(tmp_path / "edge-cache")})
+        assert moa.returncode == 0, moa.stderr
+        assert moa.stdout == proc.stdout
+        assert any((tmp_path / "edge-cache" / "drafters").iterdir())
 
         prompts = tmp_path / "in.jsonl"
         rows = [{"id": "a", "prompt": "Say hello."},

@@ -8,6 +8,7 @@ import pytest
 from benchmarks import prompts
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
+from edge_client.generate import SilentListener
 from shared.messages import ChatMessage, OpenRequest
 from tests.server_harness import ServerThread
 
@@ -67,7 +68,7 @@ def test_real_model_seeded_sampling_replays_and_races_ignore_the_drafter(real_ta
     assert topk[0] == topk[1]
 
 
-class FirstTokens:
+class FirstTokens(SilentListener):
     """A listener that fires an event at the first committed tokens."""
 
     def __init__(self) -> None:
@@ -75,12 +76,6 @@ class FirstTokens:
 
     def committed(self, ids: list[int]) -> None:
         self.seen.set()
-
-    def unverified(self, ids: list[int]) -> None: ...
-
-    def withdraw(self) -> None: ...
-
-    def link_event(self, text: str) -> None: ...
 
 
 @pytest.mark.parametrize("mode, outage_s", [("cut", 1.0), ("blackhole", 2.5)])
