@@ -38,13 +38,15 @@ class RoundLog:
 
 def split_greedy(target, server, drafter, prompt: list[int], max_new: int,
                  max_nodes: int) -> RoundLog:
-    """Split greedy decoding in-process: the MoA loop of DESIGN section 1 without the wire."""
+    """Split greedy decoding in-process: the MoA loop of DESIGN section 1 without the wire.
+    `server` (the server half) is None for a drafter that reads no activations."""
     from cloud_server.target import keep_path
 
     log = RoundLog()
     cache, logits = target.prefill(prompt)
     drafter.reset(prompt)
-    drafter.add_activations(0, server(cache, 0, len(prompt)))
+    if server is not None:
+        drafter.add_activations(0, server(cache, 0, len(prompt)))
     committed = list(prompt) + [int(logits.argmax())]
     stops = set(target.stop_token_ids())
     while len(committed) - len(prompt) < max_new and committed[-1] not in stops:
@@ -56,7 +58,8 @@ def split_greedy(target, server, drafter, prompt: list[int], max_new: int,
         acceptance = accept_greedy(tree, target_argmax)
         keep_path(cache, base, acceptance.accepted_nodes)
         verified = time.perf_counter()
-        drafter.add_activations(base, server(cache, base, cache.get_seq_length()))
+        if server is not None:
+            drafter.add_activations(base, server(cache, base, cache.get_seq_length()))
         log.server_s += time.perf_counter() - verified
         log.draft_s += drafted - start
         log.verify_s += verified - drafted

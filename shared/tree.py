@@ -67,6 +67,26 @@ class DraftTree:
             path.append(self.tokens[node])
         return path
 
+    def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
+        """The union of both trees' paths, at most `max_nodes` nodes: this tree's nodes first
+        and in order, then `other`'s that it lacks. Every node follows its parent, so cutting
+        at any length leaves a valid tree whose best path starts with this tree's."""
+        tokens, parents = list(self.tokens[:max_nodes]), list(self.parents[:max_nodes])
+        index = {(parents[i], tokens[i]): i for i in range(len(tokens))}
+        mapped: dict[int, int] = {ROOT: ROOT}
+        for i, (token, parent) in enumerate(zip(other.tokens, other.parents)):
+            if parent not in mapped:  # its parent was cut: so is its whole subtree
+                continue
+            key = (mapped[parent], token)
+            if key not in index:
+                if len(tokens) == max_nodes:
+                    continue
+                index[key] = len(tokens)
+                tokens.append(token)
+                parents.append(key[0])
+            mapped[i] = index[key]
+        return DraftTree(tuple(tokens), tuple(parents))
+
     def subtree(self, node: int) -> "DraftTree":
         """The descendants of `node`, re-rooted so its children become the first level; node
         order (and so best-first order) is kept."""

@@ -44,7 +44,8 @@ def isolated_server(tiny_target):
 
 @pytest.fixture(scope="session")
 def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head)."""
+    """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head),
+    with the Independent baseline beside it in `independent/`."""
     from cloud_server.moa.data import Sample, answer_batch
     from cloud_server.moa.train import Trainer, TrainSettings
 
@@ -53,7 +54,7 @@ def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> P
     samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
     out = tmp_path_factory.mktemp("tiny-moa")
     settings = TrainSettings(steps=80, batch_tokens=256, lr=3e-3, warmup=5, draft_vocab=200,
-                             checkpoint_every=1000)
+                             checkpoint_every=1000, independent=True)
     Trainer(tiny_target.model, samples, settings, out, stop_ids=(2,)).run()
     return out
 
@@ -64,3 +65,13 @@ def tiny_bundle(tiny_target, tiny_drafter_dir: Path, tmp_path_factory: pytest.Te
 
     return build_bundle(tiny_drafter_dir, tiny_target.model, "tiny-llama",
                         tmp_path_factory.mktemp("bundles"), tiny_target.tokenizer_json())
+
+
+@pytest.fixture(scope="session")
+def tiny_independent_bundle(tiny_target, tiny_drafter_dir: Path,
+                            tmp_path_factory: pytest.TempPathFactory):
+    from cloud_server.moa.bundle import build_bundle
+    from cloud_server.moa.train import INDEPENDENT
+
+    return build_bundle(tiny_drafter_dir / INDEPENDENT, tiny_target.model, "tiny-llama",
+                        tmp_path_factory.mktemp("independent"), tiny_target.tokenizer_json())

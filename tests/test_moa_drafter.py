@@ -95,3 +95,38 @@ def test_edge_side_of_moa_does_not_import_torch():
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_independent_baseline_feeds_its_own_memory(tiny_target, tiny_independent_bundle):
+    """The baseline's memory is the verified tokens' embeddings: no activations, and split
+    decoding with it stays lossless."""
+    drafter = MoaDrafter(tiny_independent_bundle, precision="fp32", max_depth=6, beam=4,
+                         branch=4)
+    assert not drafter.needs_activations
+    with pytest.raises(ValueError, match="no activations"):
+        drafter.add_activations(0, np.zeros((1, drafter.width), dtype=np.float32))
+    log = split_greedy(tiny_target, None, drafter, PROMPT, 32, max_nodes=16)
+    assert log.tokens == plain_greedy(tiny_target, PROMPT, len(log.tokens))
+    assert sum(log.per_round) / len(log.per_round) > 1.2, log.per_round
+    context = PROMPT + log.tokens[:5]
+    assert drafter.propose(context, 8) == drafter.propose(context, 8)  # rewinds its memory
+    drafter.reset(PROMPT)
+    assert drafter.propose(context, 8) == drafter.propose(context, 8)
+
+
+def test_lookup_nodes_merge_a_repeated_phrase(tiny_bundle):
+    """With lookup_nodes, a text that repeats itself gets the copy's continuation as well."""
+    phrase = [60, 61, 62, 63, 64, 65]
+    context = PROMPT + phrase + [70, 71] + phrase[:2]
+    with_lookup, without = (MoaDrafter(tiny_bundle, precision="fp32", max_depth=4, beam=2,
+                                       branch=2, lookup_nodes=n) for n in (4, 0))
+    for drafter in (with_lookup, without):
+        drafter.reset(context[:-1])
+        drafter.add_activations(0, np.zeros((len(context) - 1, drafter.width), np.float32))
+    tree = with_lookup.propose(context, max_nodes=16)
+    paths = {tuple(tree.path_tokens(i)) for i in range(len(tree))}
+    assert tuple(phrase[2:6]) in paths and len(tree) == 16
+    plain = without.propose(context, 16)
+    assert tuple(phrase[2:6]) not in {tuple(plain.path_tokens(i)) for i in range(len(plain))}
+    # the lookup gets a quarter of the budget at most: none below 4 nodes
+    assert with_lookup.propose(context, 3) == without.propose(context, 3)

@@ -93,3 +93,19 @@ def test_int8_graph_quantizes_the_embedding_and_head(tiny_bundle):
                 if i.data_type == onnx.TensorProto.FLOAT and len(i.dims) >= 2]
     assert not matrices  # every weight matrix, the embedding and head included, is int8
     assert {"MatMulInteger", "Gather"} <= {n.op_type for n in model.graph.node}
+
+
+def test_independent_memory_graph_reads_ids(tiny_target, tiny_drafter_dir, tiny_independent_bundle):
+    """The baseline's memory graph takes token ids and equals the torch module."""
+    from cloud_server.moa.train import INDEPENDENT
+
+    _, _, edge = load_drafter(tiny_drafter_dir / INDEPENDENT, tiny_target.model)
+    (ids, positions), _ = example_inputs(edge)
+    with torch.no_grad():
+        want = MemoryGraph(edge)(ids, positions)
+    manifest = json.loads((tiny_independent_bundle / MANIFEST).read_text())
+    session = ort.InferenceSession(
+        str(tiny_independent_bundle / manifest["graphs"]["fp32"]["memory"]))
+    got = session.run(None, {"ids": ids.numpy(), "positions": positions.numpy()})
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)

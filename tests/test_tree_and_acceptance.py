@@ -5,7 +5,7 @@ import pytest
 
 from shared.acceptance import accept_greedy
 from shared.errors import InvalidRequest
-from shared.tree import DraftTree
+from shared.tree import ROOT, DraftTree
 
 #        root
 #      /      \
@@ -68,3 +68,20 @@ def test_validate_limits():
         TREE.validate(vocab_size=100, max_nodes=5, max_depth=3)
     with pytest.raises(InvalidRequest, match="deep"):
         TREE.validate(vocab_size=100, max_nodes=6, max_depth=2)
+
+
+def test_merged_tree_is_the_union_of_paths_cut_to_size():
+    moa = DraftTree((5, 6, 7), (ROOT, 0, 0))  # 5 -> {6, 7}
+    lookup = DraftTree((5, 6, 8, 9), (ROOT, 0, 1, ROOT))  # 5 -> 6 -> 8, and 9
+    merged = moa.merged(lookup, max_nodes=8)
+    assert merged == DraftTree((5, 6, 7, 8, 9), (ROOT, 0, 0, 1, ROOT))
+    assert merged.best_path()[:2] == moa.best_path()  # extended by the lookup's 8
+    paths = {tuple(merged.path_tokens(i)) for i in range(len(merged))}
+    assert paths == ({tuple(moa.path_tokens(i)) for i in range(len(moa))}
+                     | {tuple(lookup.path_tokens(i)) for i in range(len(lookup))})
+    cut = moa.merged(lookup, max_nodes=4)
+    assert cut == DraftTree((5, 6, 7, 8), (ROOT, 0, 0, 1))
+    cut.validate(vocab_size=10, max_nodes=4, max_depth=8)
+    assert DraftTree((), ()).merged(lookup, 2) == DraftTree((5, 6), (ROOT, 0))
+    # a node whose parent did not fit is dropped with its subtree
+    assert moa.merged(DraftTree((9, 4), (ROOT, 0)), max_nodes=3) == moa

@@ -6,6 +6,9 @@ Cross-Attention blocks are each the size of one target layer, and the server's L
 Self-Attention works at the width of one layer's K and V (2 * kv_heads * head_dim).
 `draft_vocab` optionally restricts the draft head to the most frequent tokens of the target's
 own answers (DESIGN 3.1): the head is most of the edge's work and of training's.
+`memory` says what the Cross-Attention reads: the target's activations (the MoA drafter), or
+the tokens' own embeddings (the paper's "Independent" baseline: the same network, blind to the
+target's states, so the pair measures what the activations are worth).
 """
 from __future__ import annotations
 
@@ -15,6 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 FORMAT_VERSION = 1
+ACTIVATIONS = "activations"  # memory: the server half's output for verified positions
+EMBEDDINGS = "embeddings"  # memory: the verified tokens' own embeddings (no server half)
+MEMORIES = (ACTIVATIONS, EMBEDDINGS)
 
 
 @dataclass(frozen=True)
@@ -33,7 +39,12 @@ class MoaConfig:
     rope_theta: float
     rms_eps: float
     draft_vocab: int = 0  # size of the frequency-ranked sub-vocabulary head; 0: the full vocab
+    memory: str = ACTIVATIONS  # what the Cross-Attention reads: one of MEMORIES
     format_version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if self.memory not in MEMORIES:
+            raise ValueError(f"unknown drafter memory {self.memory!r}: one of {MEMORIES}")
 
     @classmethod
     def from_target(cls, config, intermediate: int | None = None,
@@ -59,6 +70,11 @@ class MoaConfig:
                    lsa_intermediate=lsa_intermediate or kv_width,
                    rope_theta=float(theta), rms_eps=float(config.rms_norm_eps),
                    draft_vocab=draft_vocab if 0 < draft_vocab < config.vocab_size else 0)
+
+    @property
+    def uses_activations(self) -> bool:
+        """Whether the server half runs and the Verdicts carry activations."""
+        return self.memory == ACTIVATIONS
 
     @property
     def head_size(self) -> int:

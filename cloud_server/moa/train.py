@@ -10,6 +10,12 @@ and the activations up to a random verified boundary (boundaries.py), and the lo
 over answer positions, where p and q are the target's and the drafter's next-token
 distributions through the same shared head (the paper weighs its cross-entropy 0.1 and its
 feature loss 1; here both weigh 1 by default because acceptance is judged on the argmax).
+
+With `independent`, the paper's "Independent" baseline trains alongside on the same batches,
+boundaries and teacher pass: the same edge network whose Cross-Attention reads the verified
+tokens' own embeddings instead of the server half's activations (config.EMBEDDINGS). The
+students share no parameter, so one optimizer over both with the losses summed trains each
+exactly as alone; gradients are clipped per student.
 Knows nothing of where the samples come from (data.py) or of the command line (train_cli.py).
 """
 from __future__ import annotations
@@ -19,19 +25,20 @@ import random
 from collections import Counter
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from cloud_server.moa.boundaries import causal_mask, cross_mask
-from cloud_server.moa.config import MoaConfig
+from cloud_server.moa.config import EMBEDDINGS, MoaConfig
 from cloud_server.moa.data import Sample
 from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv
 from cloud_server.moa.weights import save_weights
 
 CHECKPOINT = "checkpoint.pt"
+INDEPENDENT = "independent"  # the baseline's weights directory inside the run directory
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ class TrainSettings:
     feature_weight: float = 1.0
     draft_vocab: int = 8192  # sub-vocabulary head size (0 or >= the vocab: the full head)
     init_from_target: bool = True  # SA and CA start from the target's first and last layers
+    independent: bool = False  # also train the Independent baseline (written to OUT/independent)
     checkpoint_every: int = 50
     seed: int = 0
 
@@ -112,6 +120,14 @@ def teacher(target: torch.nn.Module, batch: Batch,
     return batch_layer_kv(out.past_key_values, layers).float(), out.last_hidden_state.float()
 
 
+def _independent(running: dict[str, float]) -> str:
+    """The Independent baseline's part of a progress line, when it trains."""
+    if "independent_top1" not in running:
+        return ""
+    return (f"  (independent kl {running['independent_kl']:.3f} "
+            f"top1 {running['independent_top1']:.3f})")
+
+
 def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tensor,
                  settings: TrainSettings) -> tuple[torch.Tensor, dict[str, float]]:
     """hidden, target_hidden: [n, width] at the selected positions -> loss, stats."""
@@ -126,8 +142,34 @@ def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tens
                   "top1": top1.item()}
 
 
+@dataclass
+class Student:
+    """One drafter being distilled: the MoA drafter (with its server half) or the Independent
+    baseline (no server half: its memory is the tokens' embeddings)."""
+
+    config: MoaConfig
+    server: ServerHalf | None
+    edge: EdgeHalf
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [*(self.server.parameters() if self.server else ()), *self.edge.parameters()]
+
+    def memory(self, ids: torch.Tensor, layer_kv: torch.Tensor) -> torch.Tensor:
+        """ids: [b, T], layer_kv: [b, T, L, kv_width] -> CA memory rows: [b, T, width]"""
+        return self.server(layer_kv) if self.server else self.edge.embedding[ids]
+
+    def state(self) -> dict:
+        return {"server": self.server.state_dict() if self.server else None,
+                "edge": self.edge.state_dict()}
+
+    def load_state(self, state: dict) -> None:
+        if self.server:
+            self.server.load_state_dict(state["server"])
+        self.edge.load_state_dict(state["edge"])
+
+
 class Trainer:
-    """Owns the drafter, its optimizer and the step counter; saves and resumes checkpoints."""
+    """Owns the drafters, their optimizer and the step counter; saves and resumes checkpoints."""
 
     def __init__(self, target: torch.nn.Module, samples: list[Sample], settings: TrainSettings,
                  out: Path, stop_ids: tuple[int, ...]) -> None:
@@ -140,16 +182,31 @@ class Trainer:
         if self.config.draft_vocab:
             vocab_ids = rank_vocab(samples, self.config.draft_vocab, stop_ids,
                                    self.config.vocab_size)
-        self.server = ServerHalf(self.config).to(self.device)
-        self.edge = EdgeHalf.from_target(self.config, target, vocab_ids).to(self.device)
-        if settings.init_from_target:
-            self.edge.init_from_target(target)
-        params = [*self.server.parameters(), *self.edge.parameters()]
+        self.students = [self._student(self.config, vocab_ids)]
+        if settings.independent:
+            self.students.append(self._student(replace(self.config, memory=EMBEDDINGS),
+                                               vocab_ids))
+        params = [p for student in self.students for p in student.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.step_count = 0
         self._epochs: dict[int, list[list[int]]] = {}
+
+    def _student(self, config: MoaConfig, vocab_ids: torch.Tensor | None) -> Student:
+        server = ServerHalf(config).to(self.device) if config.uses_activations else None
+        edge = EdgeHalf.from_target(config, self.target, vocab_ids).to(self.device)
+        if self.settings.init_from_target:
+            edge.init_from_target(self.target)
+        return Student(config, server, edge)
+
+    @property
+    def server(self) -> ServerHalf:
+        return self.students[0].server
+
+    @property
+    def edge(self) -> EdgeHalf:
+        return self.students[0].edge
 
     def _lr_factor(self, step: int) -> float:
         """Linear warmup, then cosine decay to a tenth."""
@@ -175,13 +232,18 @@ class Trainer:
         layer_kv, target_hidden = teacher(self.target, batch, self.config.lsa_layers)
         length = batch.ids.shape[1]
         ca = cross_mask(batch.prompt_lens, length, self.generator).to(self.device)
-        activations = self.server(layer_kv)  # [b, T, width]
-        hidden = self.edge(batch.ids, activations, causal_mask(length).to(self.device), ca)
-        loss, stats = distill_loss(self.edge, hidden[batch.select], target_hidden[batch.select],
-                                   self.settings)
+        sa = causal_mask(length).to(self.device)
+        total, stats = 0.0, {}
+        for student, prefix in zip(self.students, ("", "independent_")):
+            hidden = student.edge(batch.ids, student.memory(batch.ids, layer_kv), sa, ca)
+            loss, own = distill_loss(student.edge, hidden[batch.select],
+                                     target_hidden[batch.select], self.settings)
+            total = total + loss
+            stats |= {prefix + k: v for k, v in own.items()}
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_([*self.server.parameters(), *self.edge.parameters()], 1.0)
+        total.backward()
+        for student in self.students:
+            torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         self.optimizer.step()
         self.schedule.step()
         self.step_count += 1
@@ -202,16 +264,18 @@ class Trainer:
                 print(f"step {self.step_count}/{self.settings.steps}  "
                       f"{positions / elapsed:.0f} tokens/s  loss {running['loss']:.3f}  "
                       f"kl {running['kl']:.3f}  feature {running['feature']:.4f}  "
-                      f"top1 {running['top1']:.3f}  ETA {left / 60:.1f} min",
+                      f"top1 {running['top1']:.3f}{_independent(running)}  "
+                      f"ETA {left / 60:.1f} min",
                       file=sys.stderr, flush=True)
             if self.step_count % self.settings.checkpoint_every == 0:
                 self.save_checkpoint()
         self.save_checkpoint()
-        save_weights(self.out, self.config, self.server, self.edge)
+        for student, out in zip(self.students, (self.out, self.out / INDEPENDENT)):
+            save_weights(out, student.config, student.server, student.edge)
         return running
 
     def save_checkpoint(self) -> None:
-        state = {"server": self.server.state_dict(), "edge": self.edge.state_dict(),
+        state = {"students": [student.state() for student in self.students],
                  "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
                  "generator": self.generator.get_state(), "step": self.step_count,
                  "settings": asdict(self.settings), "config": self.config.to_dict()}
@@ -223,8 +287,12 @@ class Trainer:
         state = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
         if state["config"] != self.config.to_dict():
             raise ValueError(f"{self.out / CHECKPOINT} was trained with other sizes")
-        self.server.load_state_dict(state["server"])
-        self.edge.load_state_dict(state["edge"])
+        if len(state["students"]) != len(self.students):
+            raise ValueError(f"{self.out / CHECKPOINT} was trained "
+                             f"{'with' if len(state['students']) > 1 else 'without'} "
+                             "--independent: resume it the same way")
+        for student, saved in zip(self.students, state["students"]):
+            student.load_state(saved)
         self.optimizer.load_state_dict(state["optimizer"])
         self.schedule.load_state_dict(state["schedule"])
         self.generator.set_state(state["generator"])

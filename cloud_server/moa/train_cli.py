@@ -38,6 +38,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="draft head over the N most frequent answer tokens; 0: full vocab")
+    p.add_argument("--independent", action="store_true",
+                   help="also train the paper's Independent baseline on the same batches "
+                        "(OUT/independent: the same network reading token embeddings, not "
+                        "the target's activations)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--seed", type=int, default=d.seed)
     return p.parse_args(argv)
@@ -66,7 +70,7 @@ def main(argv: list[str]) -> int:
     answered = time.monotonic()
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                              draft_vocab=args.draft_vocab, checkpoint_every=args.checkpoint_every,
-                             seed=args.seed)
+                             independent=args.independent, seed=args.seed)
     trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
     if args.resume and (args.out / CHECKPOINT).exists():
         trainer.load_checkpoint()

@@ -25,9 +25,11 @@ def committed_drafter(model_id: str) -> Path | None:
     return directory if (directory / WEIGHTS).is_file() else None
 
 
-def save_weights(out: Path, config: MoaConfig, server: ServerHalf, edge: EdgeHalf) -> None:
-    tensors = {f"{prefix}.{k}": _compact(v) for prefix, module in (("server", server),
-                                                                  ("edge", edge))
+def save_weights(out: Path, config: MoaConfig, server: ServerHalf | None,
+                 edge: EdgeHalf) -> None:
+    """`server` is None for a drafter whose memory is not the target's activations."""
+    modules = (("server", server), ("edge", edge)) if server else (("edge", edge),)
+    tensors = {f"{prefix}.{k}": _compact(v) for prefix, module in modules
                for k, v in module.state_dict().items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / WEIGHTS)
@@ -35,19 +37,22 @@ def save_weights(out: Path, config: MoaConfig, server: ServerHalf, edge: EdgeHal
 
 
 def load_drafter(directory: Path,
-                 target: torch.nn.Module) -> tuple[MoaConfig, ServerHalf, EdgeHalf]:
+                 target: torch.nn.Module) -> tuple[MoaConfig, ServerHalf | None, EdgeHalf]:
     """Both halves in fp32 on the target's device, eval mode, edge half sharing the target's
-    embedding, final norm and head."""
+    embedding, final norm and head. The server half is None when the drafter's memory is not
+    the target's activations (the Independent baseline)."""
     config = MoaConfig.load(directory / CONFIG)
     tensors = load_file(directory / WEIGHTS)
     device = next(target.parameters()).device
-    server = ServerHalf(config)
+    server = ServerHalf(config) if config.uses_activations else None
     edge = EdgeHalf.from_target(config, target, tensors.get("edge.vocab_ids"))
     for prefix, module in (("server.", server), ("edge.", edge)):
+        if module is None:
+            continue
         state = {k[len(prefix):]: v.float() if v.is_floating_point() else v
                  for k, v in tensors.items() if k.startswith(prefix)}
         module.load_state_dict(state)
-    return config, server.to(device).eval(), edge.to(device).eval()
+    return config, server.to(device).eval() if server else None, edge.to(device).eval()
 
 
 def _compact(tensor: torch.Tensor) -> torch.Tensor:

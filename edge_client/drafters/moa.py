@@ -3,10 +3,19 @@
 Zimmer et al., arXiv 2410.03804, split per DESIGN 3.1: the server sends the activations of
 verified positions (`add_activations`); this side keeps the Cross-Attention K/V of that memory
 and the Self-Attention K/V of the committed text, and drafts autoregressively from them, so it
-can draft past the last verified position. Trees are EAGLE-2 dynamic trees (Li et al., arXiv
-2406.16858, section 4): expand the `beam` nodes of the newest depth with the highest cumulative
-draft log-probability, each proposing its top `branch` children, then keep the best `max_nodes`
-overall, best first. Knows nothing of the link or the wire; numpy and onnxruntime only.
+can draft past the last verified position.
+
+A bundle whose memory is the tokens' embeddings (the paper's Independent baseline, trained
+alongside) needs no activations: it feeds its memory from the committed text itself, up to the
+same verified boundary.
+
+Trees are EAGLE-2 dynamic trees (Li et al., arXiv 2406.16858, section 4): expand the `beam`
+nodes of the newest depth with the highest cumulative draft log-probability, each proposing its
+top `branch` children, then keep the best `max_nodes` overall, best first. With
+`lookup_nodes`, a prompt-lookup tree (pld.py) of up to that many nodes, a quarter of the budget
+at most, is merged in when the text repeats itself: copying is what a small drafter predicts
+worst and n-gram lookup best (REST, He et al., arXiv 2311.08252, makes the same case for
+retrieval). Knows nothing of the link or the wire; numpy and onnxruntime only.
 """
 from __future__ import annotations
 
@@ -17,7 +26,10 @@ from typing import Sequence
 import numpy as np
 
 from edge_client.drafters.moa_bundle import load_manifest
+from edge_client.drafters.pld import PromptLookupDrafter
 from shared.tree import ROOT, DraftTree
+
+LOOKUP_NODES = 0  # prompt-lookup nodes merged into each tree (benchmarks/drafter_tau.py)
 
 
 @dataclass
@@ -48,7 +60,8 @@ class MoaDrafter:
     name = "moa"
 
     def __init__(self, bundle_dir: Path, precision: str = "int8", max_depth: int = 8,
-                 beam: int = 8, branch: int = 8, threads: int = 1) -> None:
+                 beam: int = 8, branch: int = 8, threads: int = 1,
+                 lookup_nodes: int = LOOKUP_NODES) -> None:
         import onnxruntime as ort
 
         manifest = load_manifest(bundle_dir)
@@ -58,8 +71,12 @@ class MoaDrafter:
         config = manifest["config"]
         self.kv_heads, self.head_dim = config["kv_heads"], config["head_dim"]
         self.width = config["width"]
+        # the Independent baseline: memory rows are the verified tokens, fed by propose itself
+        self.needs_activations = config.get("memory", "activations") == "activations"
         self.max_depth, self.beam = max_depth, beam
         self.branch = min(branch, manifest["top_k"])
+        self.lookup_nodes = lookup_nodes
+        self._lookup = PromptLookupDrafter()
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         graphs = manifest["graphs"][precision]
@@ -71,11 +88,13 @@ class MoaDrafter:
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Forgets the text and the activation memory; activations of the prompt come next."""
+        self._lookup.reset(prompt)
         self._context: list[int] = []  # committed ids whose SA K/V are in the cache
         self._sa_keys = self._empty()  # [kv_heads, len(_context), hd]
         self._sa_values = self._empty()
         self._mem_keys = self._empty()  # [kv_heads, verified, hd]
         self._mem_values = self._empty()
+        self._mem_ids: list[int] = []  # the tokens in the memory, without activations
 
     @property
     def verified(self) -> int:
@@ -85,19 +104,42 @@ class MoaDrafter:
     def add_activations(self, start: int, activations: np.ndarray) -> None:
         """Activations of committed positions start .. start + n - 1: [n, width], any float
         dtype. `start` below `verified` rewinds the memory there first (a resumed session)."""
+        if not self.needs_activations:
+            raise ValueError("this drafter reads no activations: its memory is the text's tokens")
         if start > self.verified:
             raise ValueError(f"activations start at {start}, but only {self.verified} "
                              "positions are verified: one verdict's activations are missing")
         if activations.ndim != 2 or activations.shape[1] != self.width:
             raise ValueError(f"activations must be [n, {self.width}], got {activations.shape}")
+        self._remember("activations", start, np.ascontiguousarray(activations, dtype=np.float32))
+
+    def _remember(self, name: str, start: int, rows: np.ndarray) -> None:
+        """Keeps memory positions < start and appends the K/V of `rows` after them."""
         keys, values = self._memory.run(None, {
-            "activations": np.ascontiguousarray(activations, dtype=np.float32),
-            "positions": np.arange(start, start + len(activations), dtype=np.int64)})
+            name: rows, "positions": np.arange(start, start + len(rows), dtype=np.int64)})
         self._mem_keys = np.concatenate((self._mem_keys[:, :start], keys), axis=1)
         self._mem_values = np.concatenate((self._mem_values[:, :start], values), axis=1)
 
+    def _remember_tokens(self, context: Sequence[int]) -> None:
+        """Self-fed memory: every committed token but the last, as activations would cover."""
+        verified = list(context[:-1])
+        keep = _common_prefix(self._mem_ids, verified)
+        if keep < len(verified) or keep < len(self._mem_ids):
+            self._remember("ids", keep, np.asarray(verified[keep:], dtype=np.int64))
+            self._mem_ids = verified
+
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        if not context or not self.verified or max_nodes < 1:
+        if not context or max_nodes < 1:
+            return DraftTree((), ())
+        budget = min(self.lookup_nodes, max_nodes // 4)
+        lookup = self._lookup.propose(context, budget) if budget else DraftTree((), ())
+        return self._model_tree(context, max_nodes - len(lookup)).merged(lookup, max_nodes)
+
+    def _model_tree(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        """The network's own dynamic tree of at most `max_nodes` nodes."""
+        if not self.needs_activations:
+            self._remember_tokens(context)
+        if not self.verified or max_nodes < 1:
             return DraftTree((), ())
         top_logprobs, top_ids = self._sync(context)  # [branch] each: the first level
         nodes = _Candidates()
@@ -131,10 +173,7 @@ class MoaDrafter:
 
         Keeps the longest common prefix (a rewind drops the rest) but always re-runs at least
         the last token, whose outputs are the first level of the tree."""
-        keep = 0
-        limit = min(len(self._context), len(context) - 1)
-        while keep < limit and self._context[keep] == context[keep]:
-            keep += 1
+        keep = _common_prefix(self._context, context[:-1])
         past_keys, past_values = self._sa_keys[:, :keep], self._sa_values[:, :keep]
         new = np.asarray(context[keep:], dtype=np.int64)  # [q]
         allowed = np.tril(np.ones((len(new), keep + len(new)), dtype=bool), k=keep)
@@ -172,6 +211,13 @@ class MoaDrafter:
             "past_values": np.concatenate((self._sa_values, values), axis=1),
             "allowed": allowed, "mem_keys": self._mem_keys, "mem_values": self._mem_values})
         return top_logprobs[:, :self.branch], top_ids[:, :self.branch], new_keys, new_values
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    keep, limit = 0, min(len(a), len(b))
+    while keep < limit and a[keep] == b[keep]:
+        keep += 1
+    return keep
 
 
 def _best_tree(nodes: _Candidates, max_nodes: int) -> DraftTree:
