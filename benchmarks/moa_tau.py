@@ -1,12 +1,13 @@
-"""Offline tau of the MoA drafter: split greedy decoding in one process, no network (issue 3).
+"""Offline tau of the drafters: split greedy decoding in one process, no network (issue 3).
 
-The target verifies each MoA tree (at most --max-nodes nodes) with greedy acceptance, the server
-half computes the fresh activations from the compacted cache, and the ONNX edge drafter takes
-them, as DESIGN section 1 describes, all on one thread. Reports tau (tokens per round, bonus
-included), acceptance by depth, draft / verify / server-half time per round, the edge's time
-per step call against a plain target decode step, and whether the output equals plain greedy.
+For each drafter (pld, aded, the Independent baseline, MoA, MoA with prompt-lookup nodes) the
+target verifies its trees (at most --max-nodes nodes) with greedy acceptance; for MoA the
+server half computes the fresh activations from the compacted cache and the ONNX edge drafter
+takes them, as DESIGN section 1 describes, all on one thread. Reports tau per set (tokens per
+round, bonus included), acceptance by depth, drafting time per round, the edge's time per step
+call against a plain target decode step, and whether the output equals plain greedy.
 
-    python -m benchmarks.moa_tau --drafter DIR [--per-set 2] [--max-new-tokens 128]
+    python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa] [--per-set 2]
 """
 from __future__ import annotations
 
@@ -32,7 +33,6 @@ class RoundLog:
     tokens: list[int] = field(default_factory=list)  # new tokens, prompt excluded
     per_round: list[int] = field(default_factory=list)  # committed tokens per round
     draft_s: float = 0.0
-    verify_s: float = 0.0
     server_s: float = 0.0
 
 
@@ -62,7 +62,6 @@ def split_greedy(target, server, drafter, prompt: list[int], max_new: int,
             drafter.add_activations(base, server(cache, base, cache.get_seq_length()))
         log.server_s += time.perf_counter() - verified
         log.draft_s += drafted - start
-        log.verify_s += verified - drafted
         tokens = _through_stop(acceptance.tokens, stops)
         committed += tokens
         log.per_round.append(len(tokens))
@@ -117,82 +116,158 @@ def edge_step_ms(bundle: Path, precision: str, queries: int, context: int = 300,
     return statistics.median(samples)
 
 
+DRAFTERS = ("pld", "aded", "independent", "moa", "moa+lookup")
+
+
 def main() -> None:
+    from cloud_server.moa.weights import TRAINED
+
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--drafter", type=Path, required=True, help="trained drafter directory")
+    p.add_argument("--drafter", type=Path, default=TRAINED / "SmolLM2-135M-Instruct",
+                   help="trained MoA drafter directory (its independent/ is the baseline)")
+    p.add_argument("--independent", type=Path, default=None,
+                   help="the Independent baseline's directory (default DRAFTER/independent)")
+    p.add_argument("--drafters", default=",".join(DRAFTERS),
+                   help=f"comma-separated, from {', '.join(DRAFTERS)}")
     p.add_argument("--per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64)
     p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--lookup-nodes", type=int, default=16,
+                   help="prompt-lookup nodes merged into moa+lookup trees")
     p.add_argument("--precision", choices=("int8", "fp32"), default="int8",
                    help="the edge graphs' weights")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
                    help="the activations' wire encoding, applied as a round trip")
+    p.add_argument("--name", default="moa_tau", help="results file stem")
     args = p.parse_args()
+    unknown = set(args.drafters.split(",")) - set(DRAFTERS)
+    if unknown:
+        p.error(f"unknown drafters {', '.join(sorted(unknown))}; choose from {', '.join(DRAFTERS)}")
     run(args)
+
+
+@dataclass
+class Contender:
+    """A drafter under test, with the server half that feeds it (None: it reads none)."""
+    name: str
+    drafter: object
+    server: Callable[..., np.ndarray] | None
+    bundle: Path | None = None
+    rounds: dict[str, list[int]] = field(default_factory=dict)  # set -> committed per round
+    draft_s: float = 0.0
+    server_s: float = 0.0
+    lossless: int = 0
+    runs: int = 0
+
+
+def contenders(args: argparse.Namespace, target) -> list[Contender]:
+    """Builds each drafter asked for; the MoA bundles are exported once and cached."""
+    from cloud_server.moa.activations import ServerActivations
+    from cloud_server.moa.bundle import build_bundle
+    from cloud_server.moa.train import INDEPENDENT
+    from edge_client.drafters import make_drafter
+    from edge_client.drafters.moa import MoaDrafter
+    from shared.cache import cache_root
+
+    def bundle_of(directory: Path) -> Path:
+        return build_bundle(directory, target.model, target.model_id,
+                            cache_root() / "moa-bundles", target.tokenizer_json())
+
+    def moa(directory: Path, lookup: int) -> MoaDrafter:
+        return MoaDrafter(bundle_of(directory), precision=args.precision,
+                          max_depth=args.max_depth, lookup_nodes=lookup)
+
+    built = []
+    for name in args.drafters.split(","):
+        if name in ("pld", "aded"):
+            built.append(Contender(name, make_drafter(name, depth_limit=args.max_depth), None))
+        elif name == "independent":
+            directory = args.independent or args.drafter / INDEPENDENT
+            built.append(Contender(name, moa(directory, 0), None, bundle_of(directory)))
+        else:
+            server = ServerActivations.load(args.drafter, target.model)
+            if args.activations == "int8":
+                server = _int8_round_trip(server)
+            lookup = args.lookup_nodes if name == "moa+lookup" else 0
+            built.append(Contender(name, moa(args.drafter, lookup), server,
+                                   bundle_of(args.drafter)))
+    return built
 
 
 def run(args: argparse.Namespace) -> None:
     from cloud_server import model_store
-    from cloud_server.moa.activations import ServerActivations
-    from cloud_server.moa.bundle import build_bundle
     from cloud_server.reference import compare, plain_greedy
     from cloud_server.target import TargetModel
-    from edge_client.drafters.moa import MoaDrafter
-    from shared.cache import cache_root
 
     target = TargetModel.load(*model_store.resolve("default"), "cpu")
-    bundle = build_bundle(args.drafter, target.model, target.model_id,
-                          cache_root() / "moa-bundles", target.tokenizer_json())
-    server = ServerActivations.load(args.drafter, target.model)
-    if args.activations == "int8":
-        server = _int8_round_trip(server)
-    drafter = MoaDrafter(bundle, precision=args.precision, max_depth=args.max_depth)
-    rows, per_set, all_rounds, depth_hits = [], {}, [], np.zeros(args.max_depth + 1)
+    tested = contenders(args, target)
     for name in evaluation.SETS:
-        logs = []
         for item in evaluation.load(name, args.per_set):
             prompt = target.apply_chat_template((ChatMessage("user", item["prompt"]),))
-            log = split_greedy(target, server, drafter, prompt, args.max_new_tokens,
-                               args.max_nodes)
             plain = plain_greedy(target, prompt, args.max_new_tokens)
-            same = compare(target, prompt, log.tokens[:args.max_new_tokens], plain).lossless
-            logs.append((log, same))
-            print(f"{item['id']}: tau {sum(log.per_round) / len(log.per_round):.2f} over "
-                  f"{len(log.per_round)} rounds, lossless {same}", file=sys.stderr, flush=True)
-            for n in log.per_round:
-                depth_hits[:n] += 1
-        rounds = [n for log, _ in logs for n in log.per_round]
-        all_rounds += rounds
-        per_set[name] = sum(rounds) / len(rounds)
-        total = len(rounds)
-        rows.append((name, len(logs), sum(rounds), total, f"{per_set[name]:.2f}",
-                     f"{1000 * sum(lg.draft_s for lg, _ in logs) / total:.1f}",
-                     f"{1000 * sum(lg.verify_s for lg, _ in logs) / total:.1f}",
-                     f"{1000 * sum(lg.server_s for lg, _ in logs) / total:.1f}",
-                     f"{sum(s for _, s in logs)}/{len(logs)}"))
+            for c in tested:
+                log = split_greedy(target, c.server, c.drafter, prompt, args.max_new_tokens,
+                                   args.max_nodes)
+                same = compare(target, prompt, log.tokens[:args.max_new_tokens], plain).lossless
+                c.rounds.setdefault(name, []).extend(log.per_round)
+                c.draft_s += log.draft_s
+                c.server_s += log.server_s
+                c.lossless += same
+                c.runs += 1
+                print(f"{item['id']} {c.name}: tau {sum(log.per_round) / len(log.per_round):.2f}"
+                      f", lossless {same}", file=sys.stderr, flush=True)
+    report(args, target, tested)
+
+
+def _tau(rounds: list[int]) -> float:
+    return sum(rounds) / len(rounds)
+
+
+def _accepted_by_depth(rounds: list[int], depth: int) -> list[float]:
+    """P(at least d drafts accepted) for d = 1..depth: a round commits accepted drafts + 1."""
+    return [sum(n - 1 >= d for n in rounds) / len(rounds) for d in range(1, depth + 1)]
+
+
+def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
     plain_ms = plain_step_ms(target)
-    step1 = edge_step_ms(bundle, args.precision, 1)
-    step8 = edge_step_ms(bundle, args.precision, 8)
-    header = ("set", "prompts", "tokens", "rounds", "tau", "draft ms/round", "verify ms/round",
-              "server half ms/round", "= plain greedy")
-    accept = ", ".join(f"{h / len(all_rounds):.2f}" for h in depth_hits[1:args.max_depth + 1])
-    text = (f"MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "
-            f"activations), greedy, tree <= "
-            f"{args.max_nodes} nodes, depth <= {args.max_depth}, {args.max_new_tokens} new "
-            f"tokens; {machine()}\n\n{markdown_table(header, rows)}\n\n"
-            f"mean tau {sum(all_rounds) / len(all_rounds):.2f}; P(at least d drafts accepted), "
-            f"d = 1..{args.max_depth}: {accept}\n"
-            f"edge step call: {step1:.2f} ms (1 query), {step8:.2f} ms (8 queries); plain "
-            f"target decode step {plain_ms:.1f} ms (ratio {step8 / plain_ms:.3f})\n")
+    header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round",
+              "server half ms/round", "edge step ms (1/8 queries)", "= plain greedy")
+    rows, depth_rows, results = [], [], {}
+    for c in tested:
+        every = [n for rounds in c.rounds.values() for n in rounds]
+        steps = ((edge_step_ms(c.bundle, args.precision, 1),
+                  edge_step_ms(c.bundle, args.precision, 8)) if c.bundle else None)
+        rows.append((c.name, *(f"{_tau(c.rounds[s]):.2f}" for s in evaluation.SETS),
+                     f"{_tau(every):.2f}", f"{1000 * c.draft_s / len(every):.1f}",
+                     f"{1000 * c.server_s / len(every):.1f}" if c.server else "-",
+                     f"{steps[0]:.2f} / {steps[1]:.2f}" if steps else "-",
+                     f"{c.lossless}/{c.runs}"))
+        accepted = _accepted_by_depth(every, args.max_depth)
+        depth_rows.append((c.name, *(f"{a:.2f}" for a in accepted)))
+        results[c.name] = {"tau": {s: _tau(c.rounds[s]) for s in evaluation.SETS},
+                           "mean_tau": _tau(every), "accepted_by_depth": accepted,
+                           "edge_step_ms": steps, "lossless": [c.lossless, c.runs]}
+    depth_header = ("drafter", *(f"d={d}" for d in range(1, args.max_depth + 1)))
+    text = (f"Drafters in process, greedy, tree <= {args.max_nodes} nodes, depth <= "
+            f"{args.max_depth}, {args.max_new_tokens} new tokens, {args.per_set} prompts per "
+            f"set; MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "
+            f"activations); moa+lookup merges up to {args.lookup_nodes} prompt-lookup nodes; "
+            f"{machine()}\n\ntau (tokens per round, bonus included):\n\n"
+            f"{markdown_table(header, rows)}\n\nP(at least d drafts accepted in a round):\n\n"
+            f"{markdown_table(depth_header, depth_rows)}\n\nplain target decode step "
+            f"{plain_ms:.1f} ms\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moa_tau.md").write_text(text)
-    (RESULTS / "moa_tau.json").write_text(json.dumps({"tau": per_set, "edge_step_ms_1": step1,
-                                                      "edge_step_ms_8": step8,
-                                                      "plain_step_ms": plain_ms}, indent=1))
-    grouped_bars(RESULTS / "moa_tau.png", list(per_set), {"MoA": list(per_set.values())},
-                 "tau (tokens per round)", "MoA drafter, greedy, offline (moa_tau.py)")
+    (RESULTS / f"{args.name}.md").write_text(text)
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(
+        {"drafters": results, "plain_step_ms": plain_ms}, indent=1))
+    series = {c.name: [_tau(c.rounds[s]) for s in evaluation.SETS] + [results[c.name]["mean_tau"]]
+              for c in tested}
+    grouped_bars(RESULTS / f"{args.name}.png", [*evaluation.SETS, "all"], series,
+                 "tau (tokens per round)",
+                 f"Drafters in process, greedy, tree <= {args.max_nodes} nodes (moa_tau.py)",
+                 baseline=1.0)
 
 
 def _int8_round_trip(server: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:

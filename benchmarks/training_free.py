@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
@@ -35,6 +36,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--drafters", default="pld,aded")
     p.add_argument("--tree-nodes", default="auto",
                    help="comma-separated tree budgets to sweep: numbers or 'auto'")
+    p.add_argument("--drafter-dir", default="default",
+                   help="the MoA drafter the server offers (cloud-server --drafter-dir)")
+    p.add_argument("--independent", default=None, metavar="DIR",
+                   help="also run the Independent baseline from DIR (a second cloud-server "
+                        "offers it; the client drafts with it under the name 'independent')")
     p.add_argument("--name", default="training_free", help="output file stem")
     return p.parse_args()
 
@@ -94,13 +100,16 @@ class Contenders:
                     tau=r.tau, server_calls=r.server_calls, bytes=r.bytes_up + r.bytes_down)
 
 
-async def run_all(address: str, items: list[dict], args: argparse.Namespace,
+async def run_all(addresses: dict[str, str], items: list[dict], args: argparse.Namespace,
                   contenders: Contenders) -> list[dict]:
     """Every method on a prompt before the next prompt, so drift in the machine's speed
-    (seen here: 25% between runs) lands on all methods alike."""
-    configs = [(d, n) for d in args.drafters.split(",") for n in args.tree_nodes.split(",")]
-    clients = {f"split-{d}-{n}": EdgeClient(address, ClientOptions(
-        d, None if n == "auto" else int(n), args.max_new_tokens)) for d, n in configs}
+    (seen here: 25% between runs) lands on all methods alike. `addresses`: the server of each
+    drafter name; 'independent' drafts with the bundle its own server offers."""
+    names = [*args.drafters.split(","), *(["independent"] if "independent" in addresses else [])]
+    configs = [(d, n) for d in names for n in args.tree_nodes.split(",")]
+    clients = {f"split-{d}-{n}": EdgeClient(addresses.get(d, addresses["main"]), ClientOptions(
+        "moa" if d == "independent" else d, None if n == "auto" else int(n),
+        args.max_new_tokens)) for d, n in configs}
     for client in clients.values():
         await client.__aenter__()
     contenders.clients = clients
@@ -182,7 +191,12 @@ def plot(rows: list[dict], path) -> None:
 def main() -> None:
     args = parse_args()
     log(machine())
-    with cloud_server("--device", "cpu") as address:
+    with contextlib.ExitStack() as servers:
+        addresses = {"main": servers.enter_context(
+            cloud_server("--device", "cpu", "--drafter-dir", args.drafter_dir))}
+        if args.independent:
+            addresses["independent"] = servers.enter_context(
+                cloud_server("--device", "cpu", "--drafter-dir", args.independent))
         # No model work on the main thread: it would slow the model thread (model_thread.py).
         contenders = Contenders(args.max_new_tokens)
         target = contenders.local[True]
@@ -190,7 +204,7 @@ def main() -> None:
                      (ChatMessage("user", row["prompt"]),)))
                  for name in prompts.SETS for row in prompts.load(name, args.per_set)]
         log(f"{len(items)} prompts, {args.max_new_tokens} new tokens each")
-        records = asyncio.run(run_all(address, items, args, contenders))
+        records = asyncio.run(run_all(addresses, items, args, contenders))
     failures = contenders.thread.call(check_lossless, target, items, records)
     rows = summarize(records)
     table = render(rows)

@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds a session may stay silent before it is closed")
     p.add_argument("--drafter-dir", default="default", metavar="DIR",
                    help="the MoA drafter to serve: 'default' (the one committed for the model, "
-                        "if any), 'none', or a directory from `cloud-server train-drafter`")
+                        "if any), 'none', or a directory from `cloud-server train-drafter` "
+                        "(its independent/ serves the Independent baseline, which needs no "
+                        "activations)")
     return p.parse_args(argv)
 
 

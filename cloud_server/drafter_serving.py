@@ -14,6 +14,7 @@ from pathlib import Path
 
 from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.bundle import archive, build_bundle
+from cloud_server.moa.config import MoaConfig
 from cloud_server.moa.weights import CONFIG, WEIGHTS, committed_drafter
 from cloud_server.target import TargetModel
 from shared.cache import cache_root
@@ -25,8 +26,8 @@ EXPORT_REVISION = 2  # raise when export.py changes what it writes: cached bundl
 
 @dataclass
 class ServedDrafter:
-    activations: ServerActivations
-    width: int
+    activations: ServerActivations | None  # None: the drafter reads none (Independent baseline)
+    width: int  # of the activations; 0 when it reads none
     bundle: bytes  # the archive FetchArtifact streams
 
 
@@ -44,8 +45,11 @@ def find_drafter(choice: str, model_id: str) -> Path | None:
 
 
 def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
-    """Loads the server half and the (cached) bundle; run it on the model thread."""
-    activations = ServerActivations.load(drafter_dir, target.model)
+    """Loads the server half (if the drafter has one) and the (cached) bundle; run it on the
+    model thread."""
+    config = MoaConfig.load(drafter_dir / CONFIG)
+    activations = (ServerActivations.load(drafter_dir, target.model)
+                   if config.uses_activations else None)
     key = f"{target.model_id}/{','.join(PRECISIONS)}/{EXPORT_REVISION}"
     digest = hashlib.sha256(key.encode())
     for name in (WEIGHTS, CONFIG):
@@ -56,4 +60,4 @@ def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
         print("building the drafter bundle (ONNX export, int8) ...", file=sys.stderr, flush=True)
         built = [build_bundle(drafter_dir, target.model, target.model_id, root,
                               target.tokenizer_json(), precisions=PRECISIONS)]
-    return ServedDrafter(activations, activations.config.width, archive(built[0]))
+    return ServedDrafter(activations, config.width if activations else 0, archive(built[0]))

@@ -31,7 +31,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
     p.add_argument("--drafter", choices=DRAFTER_NAMES, default=DEFAULT_DRAFTER,
                    help="'moa': the trained drafter the server offers (fetched once, cached); "
-                        "pld, aded: training-free (default %(default)s)")
+                        "pld, aded: training-free; 'auto': moa when the server offers it, "
+                        "else pld (default %(default)s)")
     p.add_argument("--activations", choices=[f.name.lower() for f in ActivationFormat],
                    default="fp16", help="how the MoA drafter's activations travel")
     p.add_argument("--max-new-tokens", type=positive, default=256)
@@ -114,9 +115,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def stats_line(r: GenerationResult) -> str:
-    line = (f"[{len(r.output_ids)} tokens, {r.tokens_per_s:.1f} tok/s, {r.rounds} rounds, "
-            f"tau {r.tau:.2f}, {r.server_calls} server calls, {r.bytes_up} B up / "
+def stats_line(r: GenerationResult, drafter: str) -> str:
+    line = (f"[{drafter}: {len(r.output_ids)} tokens, {r.tokens_per_s:.1f} tok/s, "
+            f"{r.rounds} rounds, tau {r.tau:.2f}, {r.server_calls} server calls, {r.bytes_up} B up / "
             f"{r.bytes_down} B down, ttft {r.ttft_s * 1000:.0f} ms")
     if r.speculations:
         line += (f", pipelined {r.speculation_hits}/{r.speculations} rounds "
@@ -139,7 +140,7 @@ async def ask(args: argparse.Namespace, options: ClientOptions, address: str) ->
         result = await client.generate(request, view)
         view.kept_unverified(result.unverified_ids)
     print(flush=True)
-    print(stats_line(result), file=sys.stderr)
+    print(stats_line(result, client.options.drafter), file=sys.stderr)
     return 0
 
 

@@ -7,7 +7,7 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from edge_client.budget import TreeBudget
-from edge_client.drafter_source import drafter_pool, sampling_acceptance
+from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_acceptance
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
@@ -60,7 +60,9 @@ class EdgeClient:
             raise LinkError(f"server speaks protocol v{self.info.protocol_version}, "
                             f"this client v{PROTOCOL_VERSION}")
         self.tokenizer = await load_tokenizer(self.link, self.info)
-        self._drafters = await drafter_pool(self.options.drafter, self.link, self.info)
+        drafter = resolve_drafter(self.options.drafter, self.info, self.options.acceptance)
+        self.options = replace(self.options, drafter=drafter)
+        self._drafters = await drafter_pool(drafter, self.link, self.info)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -18,12 +18,26 @@ from shared.acceptance import AcceptanceMode
 from shared.messages import ArtifactKind, ServerInfo
 
 MOA = "moa"
-DRAFTER_NAMES = (*sorted(DRAFTERS), MOA)
+AUTO = "auto"
+DRAFTER_NAMES = (AUTO, *sorted(DRAFTERS), MOA)
+FALLBACK = "pld"  # what 'auto' drafts with when the MoA drafter is not an option
+
+
+def resolve_drafter(name: str, info: ServerInfo, acceptance: AcceptanceMode | None) -> str:
+    """'auto' is the MoA drafter when the server offers one (it measured best: README) and the
+    rule is one it drafts for, else pld; any other name stays as it is."""
+    if name != AUTO:
+        return name
+    offered = any(a.kind is ArtifactKind.DRAFTER_BUNDLE for a in info.artifacts)
+    return MOA if offered and acceptance is not AcceptanceMode.SAMPLED_DRAFTS else FALLBACK
 
 
 def sampling_acceptance(name: str) -> AcceptanceMode:
-    """The rule a drafter drafts best for under sampling (README, benchmarks/sampling.py)."""
-    return AcceptanceMode.TOPK_DRAFTS if name == MOA else DRAFTERS[name].sampling_acceptance
+    """The rule a drafter drafts best for under sampling (README, benchmarks/sampling.py);
+    'auto' resolves to drafters that all measured best with top-k drafts."""
+    if name in (MOA, AUTO):
+        return AcceptanceMode.TOPK_DRAFTS
+    return DRAFTERS[name].sampling_acceptance
 
 
 class DrafterPool:
@@ -38,7 +52,7 @@ class DrafterPool:
 
     @property
     def needs_activations(self) -> bool:
-        return self._shared is not None
+        return self._shared is not None and self._shared.needs_activations
 
     @contextlib.asynccontextmanager
     async def checkout(self) -> AsyncIterator[Drafter]:
@@ -62,7 +76,7 @@ async def drafter_pool(name: str, link: ServerLink, info: ServerInfo) -> Drafter
 async def _moa_bundle(link: ServerLink, info: ServerInfo) -> Path:
 
     bundle = next((a for a in info.artifacts if a.kind is ArtifactKind.DRAFTER_BUNDLE), None)
-    if bundle is None or not info.activation_width:
+    if bundle is None:
         raise LinkError(f"the server ({info.model_id}) offers no MoA drafter: use --drafter "
                         f"{' or '.join(sorted(DRAFTERS))}")
     cached = bundle_cache_dir(bundle.sha256)

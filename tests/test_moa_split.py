@@ -11,6 +11,7 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.drafters.moa_bundle import bundle_cache_dir
 from edge_client.link import LinkError
+from shared.acceptance import AcceptanceMode
 from shared.messages import ActivationFormat, ArtifactKind, Limits, OpenRequest
 from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from tests.server_harness import ServerThread
@@ -71,3 +72,36 @@ def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path,
 def test_moa_is_refused_by_a_server_without_a_drafter(tiny_server):
     with pytest.raises(LinkError, match="no MoA drafter"):
         run(tiny_server.address, ClientOptions("moa", 8, MAX_NEW))
+
+
+def test_independent_baseline_served_without_activations(tiny_target, tiny_drafter_dir,
+                                                         tmp_path, monkeypatch):
+    """A server given the Independent baseline offers its bundle and no activations; the edge
+    runs it self-fed and stays lossless."""
+    from cloud_server.moa.train import INDEPENDENT
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir / INDEPENDENT) as server:
+        assert server.service.info().activation_width == 0
+        results = run(server.address, ClientOptions("moa", 16, MAX_NEW))
+    for prompt, result in zip(PROMPTS, results):
+        plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+        assert compare(tiny_target, prompt, result.output_ids, plain).lossless
+        assert result.bytes_down < 100 * len(result.output_ids)  # no 128 B activation rows
+
+
+@pytest.mark.parametrize("server_name, acceptance, chosen", [
+    ("moa_server", None, "moa"),
+    ("moa_server", AcceptanceMode.SAMPLED_DRAFTS, "pld"),  # a rule MoA does not draft for
+    ("tiny_server", None, "pld"),  # no drafter offered
+])
+def test_auto_drafter_picks_moa_when_offered(request, server_name, acceptance, chosen, tmp_path,
+                                             monkeypatch):
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    address = request.getfixturevalue(server_name).address
+
+    async def go():
+        async with EdgeClient(address, ClientOptions("auto", 8, MAX_NEW,
+                                                     acceptance=acceptance)) as client:
+            return client.options.drafter
+    assert asyncio.run(go()) == chosen

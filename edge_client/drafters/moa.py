@@ -29,7 +29,7 @@ from edge_client.drafters.moa_bundle import load_manifest
 from edge_client.drafters.pld import PromptLookupDrafter
 from shared.tree import ROOT, DraftTree
 
-LOOKUP_NODES = 0  # prompt-lookup nodes merged into each tree (benchmarks/drafter_tau.py)
+LOOKUP_NODES = 0  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
 
 
 @dataclass
