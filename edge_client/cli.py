@@ -163,9 +163,6 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         offline_limit=args.offline_limit,
                         reconnect_timeout_s=args.reconnect_timeout,
                         pipeline=not args.no_pipeline)
-    if acceptance is AcceptanceMode.SAMPLED_DRAFTS and args.drafter == "moa":
-        raise BadInput("the moa drafter does not draw sampled drafts yet: use --acceptance "
-                       "topk-drafts or exponential-race")
     return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance,
                          tuple(args.stop), policy, ActivationFormat[args.activations.upper()])
 

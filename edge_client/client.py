@@ -60,7 +60,7 @@ class EdgeClient:
             raise LinkError(f"server speaks protocol v{self.info.protocol_version}, "
                             f"this client v{PROTOCOL_VERSION}")
         self.tokenizer = await load_tokenizer(self.link, self.info)
-        drafter = resolve_drafter(self.options.drafter, self.info, self.options.acceptance)
+        drafter = resolve_drafter(self.options.drafter, self.info)
         self.options = replace(self.options, drafter=drafter)
         self._drafters = await drafter_pool(drafter, self.link, self.info)
         return self

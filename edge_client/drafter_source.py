@@ -23,13 +23,13 @@ DRAFTER_NAMES = (AUTO, *sorted(DRAFTERS), MOA)
 FALLBACK = "pld"  # what 'auto' drafts with when the MoA drafter is not an option
 
 
-def resolve_drafter(name: str, info: ServerInfo, acceptance: AcceptanceMode | None) -> str:
-    """'auto' is the MoA drafter when the server offers one (it measured best: README) and the
-    rule is one it drafts for, else pld; any other name stays as it is."""
+def resolve_drafter(name: str, info: ServerInfo) -> str:
+    """'auto' is the MoA drafter when the server offers one (it measured best: README), else
+    pld; any other name stays as it is."""
     if name != AUTO:
         return name
     offered = any(a.kind is ArtifactKind.DRAFTER_BUNDLE for a in info.artifacts)
-    return MOA if offered and acceptance is not AcceptanceMode.SAMPLED_DRAFTS else FALLBACK
+    return MOA if offered else FALLBACK
 
 
 def sampling_acceptance(name: str) -> AcceptanceMode:

@@ -16,6 +16,7 @@ import pytest
 import shared.acceptance as acceptance
 from shared.acceptance import (Acceptance, accept_exponential_race, accept_greedy,
                                accept_sampled_drafts, accept_topk_drafts)
+from edge_client.drafters.moa import sampled_tree
 from edge_client.drafters.trie import TokenTrie
 from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest
@@ -348,29 +349,51 @@ def trie_of(q: ToyLM, prefix: tuple[int, ...], depth: int = 2) -> TokenTrie:
     return trie
 
 
+def trie_sampled(text: tuple[int, ...], max_nodes: int, draw: np.random.Generator):
+    """pld's and aded's sampled trees."""
+    return trie_of(Q, text).sampled_tree(max_nodes, draw)
+
+
+def moa_sampled(text: tuple[int, ...], max_nodes: int, draw: np.random.Generator):
+    """The MoA drafter's sampled trees, with Q standing in for its network."""
+    def row(context: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        with np.errstate(divide="ignore"):
+            return np.log(Q(context)), np.arange(VOCAB)
+
+    def expand(nodes, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        paths = [[nodes.tokens[a] for a in reversed(nodes.ancestors(i))] + [nodes.tokens[i]]
+                 for i in frontier]
+        rows = [row(text + tuple(path)) for path in paths]
+        return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
+
+    return sampled_tree(row(text), expand, max_nodes, max_depth=2, beam=4, rng=draw)
+
+
 def decode_pairs_sampled(max_nodes: int, q_sent: Callable[[tuple], tuple],
-                         trials: int = TRIALS) -> np.ndarray:
-    """Like decode_pairs, with the drafters' sampled trees (TokenTrie.sampled_tree) and the q
-    they send, through the wire's QRows, verified by the sampled-drafts rule."""
+                         trials: int = TRIALS, build=trie_sampled) -> np.ndarray:
+    """Like decode_pairs, with the drafters' sampled trees (`build`) and the q they send,
+    through the wire's QRows, verified by the sampled-drafts rule."""
     draw, verify = np.random.default_rng(30), np.random.default_rng(31)
     counts = np.zeros((VOCAB, VOCAB), dtype=np.int64)
     for _ in range(trials):
         text = PROMPT
         while len(text) < len(PROMPT) + 2:
-            tree, qs = trie_of(Q, text).sampled_tree(max_nodes, draw)
+            tree, qs = build(text, max_nodes, draw)
             q_rows = QRows(tree, q_sent(qs), VOCAB)
             text += accept_sampled_drafts(tree, rows(P, text, tree), q_rows, verify, True).tokens
         counts[text[len(PROMPT)], text[len(PROMPT) + 1]] += 1
     return counts
 
 
+@pytest.mark.parametrize("build", [trie_sampled, moa_sampled])
 @pytest.mark.parametrize("max_nodes", [1, 3, 6])
-def test_drafters_sampled_trees_follow_target(max_nodes):
+def test_drafters_sampled_trees_follow_target(max_nodes, build):
     """The edge's sampled trees (best-first expansion, widths cut by the budget) with the q they
     put on the wire are exact under the sampled-drafts rule."""
-    assert_follows_target(decode_pairs_sampled(max_nodes, lambda qs: qs))
+    assert_follows_target(decode_pairs_sampled(max_nodes, lambda qs: qs, build=build))
 
 
-def test_sampled_trees_sent_with_a_wrong_q_miss_target():
+@pytest.mark.parametrize("build", [trie_sampled, moa_sampled])
+def test_sampled_trees_sent_with_a_wrong_q_miss_target(build):
     flat = lambda qs: tuple(NodeQ(q.node, q.tokens, (1.0,) * len(q.tokens)) for q in qs)  # noqa: E731
-    assert_misses_target(decode_pairs_sampled(3, flat, TEETH_TRIALS))
+    assert_misses_target(decode_pairs_sampled(3, flat, TEETH_TRIALS, build))

@@ -12,8 +12,9 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.drafters.moa_bundle import bundle_cache_dir
 from edge_client.link import LinkError
 from shared.acceptance import AcceptanceMode
-from shared.messages import ActivationFormat, ArtifactKind, Limits, OpenRequest
+from shared.messages import ActivationFormat, ArtifactKind, FinishReason, Limits, OpenRequest
 from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+from shared.sampling import SamplingParams
 from tests.server_harness import ServerThread
 
 PROMPTS = [(1, 46, 47, 48, 49), (1, 52, 53, 54, 55), (1, 60, 61, 62)]
@@ -90,18 +91,27 @@ def test_independent_baseline_served_without_activations(tiny_target, tiny_draft
         assert result.bytes_down < 100 * len(result.output_ids)  # no 128 B activation rows
 
 
-@pytest.mark.parametrize("server_name, acceptance, chosen", [
-    ("moa_server", None, "moa"),
-    ("moa_server", AcceptanceMode.SAMPLED_DRAFTS, "pld"),  # a rule MoA does not draft for
-    ("tiny_server", None, "pld"),  # no drafter offered
-])
-def test_auto_drafter_picks_moa_when_offered(request, server_name, acceptance, chosen, tmp_path,
+@pytest.mark.parametrize("server_name, chosen", [("moa_server", "moa"),
+                                                  ("tiny_server", "pld")])  # none offered
+def test_auto_drafter_picks_moa_when_offered(request, server_name, chosen, tmp_path,
                                              monkeypatch):
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     address = request.getfixturevalue(server_name).address
 
     async def go():
-        async with EdgeClient(address, ClientOptions("auto", 8, MAX_NEW,
-                                                     acceptance=acceptance)) as client:
+        async with EdgeClient(address, ClientOptions("auto", 8, MAX_NEW)) as client:
             return client.options.drafter
     assert asyncio.run(go()) == chosen
+
+
+@pytest.mark.parametrize("acceptance", [AcceptanceMode.SAMPLED_DRAFTS,
+                                        AcceptanceMode.TOPK_DRAFTS])
+def test_moa_sampling_through_the_server(moa_server, acceptance, tmp_path, monkeypatch):
+    """Sampled MoA drafts go out with their q; both rules accept drafts and finish."""
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    options = ClientOptions("moa", 16, MAX_NEW, SamplingParams(temperature=0.8, seed=3),
+                            acceptance)
+    results = run(moa_server.address, options)
+    assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP_TOKEN) for r in results)
+    tokens = sum(len(r.output_ids) for r in results)
+    assert sum(r.rounds for r in results) < tokens / 1.2, "no sampled draft was accepted"

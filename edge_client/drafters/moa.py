@@ -21,12 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
 from edge_client.drafters.moa_bundle import load_manifest
 from edge_client.drafters.pld import PromptLookupDrafter
+from edge_client.drafters.trie import SAMPLED_WIDTHS
+from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
 
 LOOKUP_NODES = 0  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
@@ -135,29 +137,39 @@ class MoaDrafter:
         lookup = self._lookup.propose(context, budget) if budget else DraftTree((), ())
         return self._model_tree(context, max_nodes - len(lookup)).merged(lookup, max_nodes)
 
-    def _model_tree(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        """The network's own dynamic tree of at most `max_nodes` nodes."""
+    def propose_sampled(self, context: Sequence[int], max_nodes: int, rng: np.random.Generator
+                        ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """Drafts drawn from q = the network's top-k distribution, renormalised
+        (`sampled_tree`). No prompt-lookup nodes: they were not drawn from q."""
+        if not context or max_nodes < 1 or not self._ready(context):
+            return DraftTree((), ()), ()
+        return sampled_tree(self._sync(context), self._expander(context), max_nodes,
+                            self.max_depth, self.beam, rng)
+
+    def _ready(self, context: Sequence[int]) -> bool:
+        """Brings a self-fed memory up to `context`; whether any position is verified."""
         if not self.needs_activations:
             self._remember_tokens(context)
-        if not self.verified or max_nodes < 1:
+        return self.verified > 0
+
+    def _model_tree(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        """The network's own dynamic tree of at most `max_nodes` nodes."""
+        if max_nodes < 1 or not self._ready(context):
             return DraftTree((), ())
-        top_logprobs, top_ids = self._sync(context)  # [branch] each: the first level
+        top_logprobs, top_ids = self._sync(context)  # [top_k] each: the first level
         nodes = _Candidates()
-        for logprob, token in zip(top_logprobs, top_ids):
+        for logprob, token in zip(top_logprobs[:self.branch], top_ids[:self.branch]):
             nodes.add(int(token), ROOT, float(logprob), 0)
-        keys, values = self._empty(), self._empty()  # the round's K/V: [kv_heads, slots, hd]
+        expand = self._expander(context)
         for depth in range(self.max_depth - 1):
             frontier = self._frontier(nodes, depth, max_nodes)
             if not frontier:
                 break
-            top_logprobs, top_ids, new_keys, new_values = self._expand(context, nodes, frontier,
-                                                                       keys, values)
+            top_logprobs, top_ids = expand(nodes, frontier)
             for row, node in enumerate(frontier):
-                nodes.slots[node] = keys.shape[1] + row
-                for logprob, token in zip(top_logprobs[row], top_ids[row]):
+                for logprob, token in zip(top_logprobs[row, :self.branch],
+                                          top_ids[row, :self.branch]):
                     nodes.add(int(token), node, nodes.scores[node] + float(logprob), depth + 1)
-            keys = np.concatenate((keys, new_keys), axis=1)
-            values = np.concatenate((values, new_values), axis=1)
         return _best_tree(nodes, max_nodes)
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
@@ -184,7 +196,7 @@ class MoaDrafter:
         self._context = list(context)
         self._sa_keys = np.concatenate((past_keys, keys), axis=1)
         self._sa_values = np.concatenate((past_values, values), axis=1)
-        return top_logprobs[-1, :self.branch], top_ids[-1, :self.branch]
+        return top_logprobs[-1], top_ids[-1]
 
     def _frontier(self, nodes: _Candidates, depth: int, max_nodes: int) -> list[int]:
         """The best `beam` nodes at `depth`, if any of their children could still make the
@@ -195,8 +207,25 @@ class MoaDrafter:
         return [i for i in at_depth[:self.beam] if nodes.scores[i] >= cutoff
                 or len(nodes.scores) < max_nodes]
 
-    def _expand(self, context: Sequence[int], nodes: _Candidates, frontier: list[int],
-                keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
+    def _expander(self, context: Sequence[int]) -> Expand:
+        """One round's `Expand`: it keeps the round's K/V ([kv_heads, slots, hd]) and each
+        expanded node's row in it."""
+        keys, values = self._empty(), self._empty()
+
+        def expand(nodes: _Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
+            nonlocal keys, values
+            top_logprobs, top_ids, new_keys, new_values = self._step_frontier(
+                context, nodes, frontier, keys, values)
+            for row, node in enumerate(frontier):
+                nodes.slots[node] = keys.shape[1] + row
+            keys = np.concatenate((keys, new_keys), axis=1)
+            values = np.concatenate((values, new_values), axis=1)
+            return top_logprobs, top_ids
+
+        return expand
+
+    def _step_frontier(self, context: Sequence[int], nodes: _Candidates, frontier: list[int],
+                       keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
         """One step over the frontier nodes under the tree mask: their top children and K/V."""
         base, slots, q = len(context), keys.shape[1], len(frontier)
         allowed = np.zeros((q, base + slots + q), dtype=bool)  # [q, base + slots + q]
@@ -210,7 +239,55 @@ class MoaDrafter:
             "past_keys": np.concatenate((self._sa_keys, keys), axis=1),
             "past_values": np.concatenate((self._sa_values, values), axis=1),
             "allowed": allowed, "mem_keys": self._mem_keys, "mem_values": self._mem_values})
-        return top_logprobs[:, :self.branch], top_ids[:, :self.branch], new_keys, new_values
+        return top_logprobs, top_ids, new_keys, new_values
+
+
+# frontier nodes -> their top children: log q [len(frontier), k] and token ids [len(frontier), k]
+Expand = Callable[[_Candidates, list[int]], tuple[np.ndarray, np.ndarray]]
+
+
+def sampled_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand, max_nodes: int,
+                 max_depth: int, beam: int, rng: np.random.Generator,
+                 widths: tuple[int, int] = SAMPLED_WIDTHS
+                 ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+    """A tree whose children are draws from q, for acceptance sampled-drafts, and those q.
+
+    `first` is the root's top-k (log q, ids); q at a node is its top-k renormalised in
+    float32, as the wire carries it. Level by level, the `beam` nodes of the newest depth
+    with the highest path probability are expanded (EAGLE-2's dynamic tree), each drawing
+    its children at once without replacement (Gumbel top-k), as many as `widths` and the
+    budget left allow. That count is fixed before the node draws, never by what it draws:
+    the condition under which recursive rejection sampling over these children stays
+    exact (SpecInfer section 4.3), as in TokenTrie.sampled_tree."""
+    nodes, qs = _Candidates(), []
+
+    def draw(parent: int, logprobs: np.ndarray, ids: np.ndarray, width: int) -> None:
+        q = np.exp(logprobs - logprobs.max())
+        q = (q / q.sum()).astype(np.float32)  # [k]
+        qs.append(NodeQ(parent, tuple(int(t) for t in ids), tuple(map(float, q))))
+        with np.errstate(divide="ignore"):  # -inf keys where q = 0: never drawn
+            keys = np.log(q.astype(np.float64)) + rng.gumbel(size=len(q))  # [k]
+        score = 0.0 if parent == ROOT else nodes.scores[parent]
+        depth = 0 if parent == ROOT else nodes.depths[parent] + 1
+        for j in np.argsort(-keys)[:min(width, int((q > 0).sum()))]:
+            nodes.add(int(ids[j]), parent, score + float(np.log(q[j])), depth)
+
+    draw(ROOT, *first, min(widths[0], max_nodes))
+    for depth in range(max_depth - 1):
+        newest = sorted((i for i, d in enumerate(nodes.depths) if d == depth),
+                        key=lambda i: -nodes.scores[i])[:beam]
+        plan, room = [], max_nodes - len(nodes.tokens)
+        for node in newest:
+            if room == 0:
+                break
+            plan.append((node, min(widths[1], room)))
+            room -= plan[-1][1]
+        if not plan:
+            break
+        top_logprobs, top_ids = expand(nodes, [node for node, _ in plan])
+        for row, (node, width) in enumerate(plan):
+            draw(node, top_logprobs[row], top_ids[row], width)
+    return DraftTree(tuple(nodes.tokens), tuple(nodes.parents)), tuple(qs)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
