@@ -39,7 +39,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--per-set", type=int, default=1, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--profiles", default=",".join(PROFILES))
-    p.add_argument("--drafter", default="pld")
+    p.add_argument("--drafter", default="pld", help="the split client's drafter")
+    p.add_argument("--server-drafter", default="pld",
+                   help="server-spec's drafter (one the server runs itself: pld or aded)")
     p.add_argument("--outage-profile", default="4g")
     p.add_argument("--outage-s", type=float, default=3.0)
     p.add_argument("--name", default="latency", help="output file stem")
@@ -95,11 +97,11 @@ async def run_split(client: EdgeClient, request: OpenRequest) -> dict:
 
 
 async def run_method(client: EdgeClient, method: str, request: OpenRequest,
-                     drafter: str) -> dict:
+                     server_drafter: str) -> dict:
     if method == "split":
         return await run_split(client, request)
     return await run_server_only(client.link, request,
-                                 drafter if method == "server-spec" else None)
+                                 server_drafter if method == "server-spec" else None)
 
 
 async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
@@ -112,12 +114,12 @@ async def run_profile(address: str, profile: str, items: list[dict], args) -> li
             # apart, then smooth); one short run of each method first keeps that out.
             warm = OpenRequest(chat=(ChatMessage("user", items[0]["prompt"]),), max_new_tokens=4)
             for method in METHODS:
-                await run_method(client, method, warm, args.drafter)
+                await run_method(client, method, warm, args.server_drafter)
             for item in items:
                 request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                                       max_new_tokens=args.max_new_tokens)
                 for method in METHODS:
-                    record = await run_method(client, method, request, args.drafter)
+                    record = await run_method(client, method, request, args.server_drafter)
                     records.append({"profile": profile, "rtt_ms": conditions.rtt_ms,
                                     "method": method, "id": item["id"], **record})
                     log(f"  {profile:>9} {method:>11} {item['id']:<20} "
@@ -251,7 +253,8 @@ def main() -> None:
                    for mode in (OutageMode.CUT, OutageMode.BLACKHOLE)]
     rows = summarize(records)
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
-              f"new tokens max, drafter {args.drafter}; {machine()}\n\n")
+              f"new tokens max, split drafter {args.drafter}, server-spec drafter "
+              f"{args.server_drafter}; {machine()}\n\n")
     text = (header + render(rows) + "\n\n" + render_outages(outages, args.outage_profile) + "\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)

@@ -18,7 +18,7 @@ from shared.messages import (
 )
 from shared.sampling import SamplingParams
 
-DEFAULT_DRAFTER = "pld"
+DEFAULT_DRAFTER = "auto"  # moa when the server offers it (README: it measured best), else pld
 
 
 @dataclass(frozen=True)

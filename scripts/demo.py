@@ -10,7 +10,8 @@ PROMPT = "Explain in a few sentences why the sky is blue, then list three relate
 
 
 def main() -> int:
-    print("starting cloud-server (the first start converts the embedded model, ~30 s)...",
+    print("starting cloud-server (the first start converts the embedded model and builds the "
+          "MoA drafter bundle, about a minute)...",
           file=sys.stderr, flush=True)
     server = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", "0"],
                               stdout=subprocess.PIPE, text=True)

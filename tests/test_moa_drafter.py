@@ -38,7 +38,8 @@ def test_greedy_drafts_match_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     cache, _ = tiny_target.prefill(PROMPT)
     acts = server(cache, 0, len(PROMPT), dtype=np.float32)  # [len(PROMPT), width]
-    drafter = MoaDrafter(tiny_bundle, precision="fp32", max_depth=6, beam=1, branch=1)
+    drafter = MoaDrafter(tiny_bundle, precision="fp32", max_depth=6, beam=1, branch=1,
+                         lookup_nodes=0)
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts)
     context = PROMPT + [30]  # the first answer token: pending, no activation yet

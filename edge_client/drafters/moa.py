@@ -31,7 +31,7 @@ from edge_client.drafters.trie import SAMPLED_WIDTHS
 from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
 
-LOOKUP_NODES = 0  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
+LOOKUP_NODES = 16  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
 
 
 @dataclass
