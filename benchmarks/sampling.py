@@ -1,9 +1,9 @@
 """Split decoding under sampling: tau and tokens/s per acceptance mode, drafter and temperature.
 
 Beside greedy, at temperatures 0.7 and 1.0, for each lossless sampling rule (DESIGN section 4)
-and each training-free drafter, over loopback; the baseline is transformers `generate` sampling
-at the same temperature with the server's kernels (oneDNN), in one run, every method on each
-prompt in turn. Prints a table, writes it and a PNG under benchmarks/results/.
+and each drafter asked for (pld, aded, moa), over loopback; the baseline is transformers
+`generate` sampling at the same temperature with the server's kernels (oneDNN), in one run,
+every method on each prompt in turn. Prints a table, writes it and a PNG under benchmarks/results/.
 
     python -m benchmarks.sampling --per-set 2 --max-new-tokens 96
 """
@@ -96,7 +96,7 @@ def plot(rows: list[tuple], path) -> None:
     grouped_bars(path, [f"T={t}" for t in TEMPERATURES],
                  {m: [tau.get((m, t), 0) for t in TEMPERATURES] for m in methods},
                  "tau (tokens per round)",
-                 "Split decoding under sampling, SmolLM2-135M-Instruct, training-free drafters")
+                 "Split decoding under sampling, SmolLM2-135M-Instruct, per drafter and rule")
 
 
 def main() -> None:
@@ -104,7 +104,8 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=96)
-    p.add_argument("--drafters", default="pld,aded")
+    p.add_argument("--drafters", default="pld,aded", help="pld, aded, moa (comma-separated)")
+    p.add_argument("--name", default="sampling", help="output file stem")
     args = p.parse_args()
     with cloud_server("--device", "cpu") as address:
         thread = ModelThread()  # load and run on one thread, as the server does
@@ -120,8 +121,8 @@ def main() -> None:
             f"{machine()}\n\n{table}\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "sampling.md").write_text(text)
-    plot(rows, RESULTS / "sampling.png")
+    (RESULTS / f"{args.name}.md").write_text(text)
+    plot(rows, RESULTS / f"{args.name}.png")
 
 
 if __name__ == "__main__":
