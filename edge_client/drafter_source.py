@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
@@ -82,5 +83,7 @@ async def _moa_bundle(link: ServerLink, info: ServerInfo) -> Path:
     cached = bundle_cache_dir(bundle.sha256)
     if cached.is_dir():
         return find_bundle(cached)
-    data = await link.fetch_artifact(bundle.name, bundle.sha256)
+    print(f"fetching the MoA drafter ({bundle.size_bytes / 1e6:.1f} MB) from {link.address}; "
+          "it is cached for next time", file=sys.stderr, flush=True)
+    data = await link.fetch_artifact(bundle.name, bundle.sha256, bundle.size_bytes)
     return install_bundle(data, bundle.sha256)

@@ -38,7 +38,11 @@ class LinkConfig:
     # One round includes the server's queue and forward pass; the prefill of a long prompt on
     # a CPU server is the slowest.
     round_timeout_s: float = 60.0
+    # An artifact download's deadline: this, plus its announced size at `fetch_min_rate`
+    # (bytes/s): the 42 MB MoA bundle needs 168 s at 3G's 2 Mbit/s, more than any fixed
+    # deadline that still catches a dead link on a small file.
     fetch_timeout_s: float = 120.0
+    fetch_min_rate: float = 100_000.0
     # Whole-generation deadline for the Decode stream.
     stream_timeout_s: float = 3600.0
     max_message_bytes: int = 16 * 1024 * 1024
@@ -105,12 +109,14 @@ class ServerLink:
             raise link_error(err, self.address) from None
         return wire.info_from_proto(reply)
 
-    async def fetch_artifact(self, name: str, sha256: str) -> bytes:
-        """Downloads an artifact in chunks and checks it against the sha256 Info announced."""
+    async def fetch_artifact(self, name: str, sha256: str, size_bytes: int = 0) -> bytes:
+        """Downloads an artifact in chunks and checks it against the sha256 Info announced;
+        the deadline grows with the size Info announced (LinkConfig.fetch_min_rate)."""
         parts: list[bytes] = []
+        timeout = self.config.fetch_timeout_s + size_bytes / self.config.fetch_min_rate
         try:
-            async for chunk in self._stub.FetchArtifact(
-                    pb.FetchArtifactRequest(name=name), timeout=self.config.fetch_timeout_s):
+            async for chunk in self._stub.FetchArtifact(pb.FetchArtifactRequest(name=name),
+                                                        timeout=timeout):
                 parts.append(chunk.data)
         except grpc.aio.AioRpcError as err:
             raise link_error(err, self.address) from None

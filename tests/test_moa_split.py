@@ -115,3 +115,26 @@ def test_moa_sampling_through_the_server(moa_server, acceptance, tmp_path, monke
     assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP_TOKEN) for r in results)
     tokens = sum(len(r.output_ids) for r in results)
     assert sum(r.rounds for r in results) < tokens / 1.2, "no sampled draft was accepted"
+
+
+def test_bundle_fetch_deadline_grows_with_its_size(moa_server):
+    """A slow link gets the time the bundle's size needs; a deadline below that fails."""
+    import hashlib
+
+    from edge_client.link import LinkConfig, ServerLink
+
+    bundle = next(a for a in moa_server.service.info().artifacts
+                  if a.kind is ArtifactKind.DRAFTER_BUNDLE)
+    mbit = bundle.size_bytes * 8 / 1e6  # about one second of transfer
+    conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=0, bandwidth_mbit=mbit))
+
+    async def fetch(address: str, min_rate: float) -> bytes:
+        config = LinkConfig(fetch_timeout_s=0.2, fetch_min_rate=min_rate)
+        async with ServerLink(address, config) as link:
+            return await link.fetch_artifact(bundle.name, bundle.sha256, bundle.size_bytes)
+
+    with ProxyThread(moa_server.address, conditions) as proxy:
+        data = asyncio.run(fetch(proxy.address, bundle.size_bytes / 4))  # 4.2 s allowed
+        assert hashlib.sha256(data).hexdigest() == bundle.sha256
+        with pytest.raises(LinkError):
+            asyncio.run(fetch(proxy.address, bundle.size_bytes * 5))  # 0.4 s allowed
