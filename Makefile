@@ -37,4 +37,4 @@ train-drafter: $(STAMP)
 	$(PY) -m cloud_server.cli train-drafter --out runs/moa
 
 bench-moa: $(STAMP)
-	$(PY) -m benchmarks.moa_tau --drafter cloud_server/moa/trained/SmolLM2-135M-Instruct --per-set 2
+	$(PY) -m benchmarks.moa_tau --per-set 2

@@ -120,15 +120,17 @@ DRAFTERS = ("pld", "aded", "independent", "moa", "moa+lookup")
 
 
 def main() -> None:
-    from cloud_server.moa.weights import TRAINED
+    from cloud_server.moa.train import INDEPENDENT
+    from cloud_server.moa.weights import TRAINED, WEIGHTS
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--drafter", type=Path, default=TRAINED / "SmolLM2-135M-Instruct",
                    help="trained MoA drafter directory (its independent/ is the baseline)")
     p.add_argument("--independent", type=Path, default=None,
                    help="the Independent baseline's directory (default DRAFTER/independent)")
-    p.add_argument("--drafters", default=",".join(DRAFTERS),
-                   help=f"comma-separated, from {', '.join(DRAFTERS)}")
+    p.add_argument("--drafters", default="pld,aded,moa,moa+lookup",
+                   help=f"comma-separated, from {', '.join(DRAFTERS)} ('independent' needs a "
+                        "run of train-drafter --independent)")
     p.add_argument("--per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64)
@@ -144,6 +146,11 @@ def main() -> None:
     unknown = set(args.drafters.split(",")) - set(DRAFTERS)
     if unknown:
         p.error(f"unknown drafters {', '.join(sorted(unknown))}; choose from {', '.join(DRAFTERS)}")
+    args.independent = args.independent or args.drafter / INDEPENDENT
+    if "independent" in args.drafters.split(",") and not (args.independent / WEIGHTS).is_file():
+        p.error(f"no Independent baseline in {args.independent}: train one with `cloud-server "
+                "train-drafter --independent --out DIR` and pass --drafter DIR, or leave "
+                "'independent' out of --drafters")
     run(args)
 
 
@@ -165,7 +172,6 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
     """Builds each drafter asked for; the MoA bundles are exported once and cached."""
     from cloud_server.moa.activations import ServerActivations
     from cloud_server.moa.bundle import build_bundle
-    from cloud_server.moa.train import INDEPENDENT
     from edge_client.drafters import make_drafter
     from edge_client.drafters.moa import MoaDrafter
     from shared.cache import cache_root
@@ -183,8 +189,8 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
         if name in ("pld", "aded"):
             built.append(Contender(name, make_drafter(name, depth_limit=args.max_depth), None))
         elif name == "independent":
-            directory = args.independent or args.drafter / INDEPENDENT
-            built.append(Contender(name, moa(directory, 0), None, bundle_of(directory)))
+            built.append(Contender(name, moa(args.independent, 0), None,
+                                   bundle_of(args.independent)))
         else:
             server = ServerActivations.load(args.drafter, target.model)
             if args.activations == "int8":
