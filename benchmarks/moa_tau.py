@@ -24,6 +24,7 @@ import numpy as np
 
 from benchmarks import prompts as evaluation
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
+from edge_client.drafters.base import Drafter
 from shared.acceptance import accept_greedy
 from shared.messages import ChatMessage
 
@@ -158,7 +159,7 @@ def main() -> None:
 class Contender:
     """A drafter under test, with the server half that feeds it (None: it reads none)."""
     name: str
-    drafter: object
+    drafter: Drafter
     server: Callable[..., np.ndarray] | None
     bundle: Path | None = None
     rounds: dict[str, list[int]] = field(default_factory=dict)  # set -> committed per round

@@ -65,7 +65,8 @@ async def run(address: str, thread: ModelThread, target: TargetModel, items: lis
             options = ClientOptions(drafter, None, args.max_new_tokens,
                                     SamplingParams(temperature, seed=i), mode)
             async with EdgeClient(address, options) as client:
-                r = await client.generate(options.open_request(prompt_ids=item["prompt_ids"]))
+                r = await client.generate(
+                    client.options.open_request(prompt_ids=item["prompt_ids"]))
             label = f"split {drafter} {mode.value if mode else 'greedy'}"
             records.append({"method": label, "temperature": temperature,
                             "tokens": len(r.output_ids), "wall_s": r.wall_s,

@@ -117,8 +117,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def stats_line(r: GenerationResult, drafter: str) -> str:
     line = (f"[{drafter}: {len(r.output_ids)} tokens, {r.tokens_per_s:.1f} tok/s, "
-            f"{r.rounds} rounds, tau {r.tau:.2f}, {r.server_calls} server calls, {r.bytes_up} B up / "
-            f"{r.bytes_down} B down, ttft {r.ttft_s * 1000:.0f} ms")
+            f"{r.rounds} rounds, tau {r.tau:.2f}, {r.server_calls} server calls, "
+            f"{r.bytes_up} B up / {r.bytes_down} B down, ttft {r.ttft_s * 1000:.0f} ms")
     if r.speculations:
         line += (f", pipelined {r.speculation_hits}/{r.speculations} rounds "
                  f"({1000 * r.hidden_draft_s:.0f} ms drafting hidden)")
@@ -133,9 +133,9 @@ def stats_line(r: GenerationResult, drafter: str) -> str:
 async def ask(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
     async with EdgeClient(address, options) as client:
         if args.no_chat_template:
-            request = options.open_request(prompt_ids=client.encode(args.prompt))
+            request = client.options.open_request(prompt_ids=client.encode(args.prompt))
         else:
-            request = options.open_request(chat=(ChatMessage("user", args.prompt),))
+            request = client.options.open_request(chat=(ChatMessage("user", args.prompt),))
         view = TerminalView(client.tokenizer, sys.stdout, sys.stderr)
         result = await client.generate(request, view)
         view.kept_unverified(result.unverified_ids)

@@ -40,7 +40,6 @@ class ClientOptions:
                            sampling=self.sampling, acceptance=self._acceptance(),
                            stop_strings=self.stop_strings)
 
-
     def _acceptance(self) -> AcceptanceMode | None:
         if self.acceptance is not None or self.sampling.greedy:
             return self.acceptance

@@ -13,6 +13,7 @@ from typing import AsyncIterator, Callable
 
 from edge_client.drafters import DRAFTERS, make_drafter
 from edge_client.drafters.base import Drafter
+from edge_client.drafters.moa import MoaDrafter  # onnxruntime loads only when one is built
 from edge_client.drafters.moa_bundle import bundle_cache_dir, find_bundle, install_bundle
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
@@ -34,11 +35,12 @@ def resolve_drafter(name: str, info: ServerInfo) -> str:
 
 
 def sampling_acceptance(name: str) -> AcceptanceMode:
-    """The rule a drafter drafts best for under sampling (README, benchmarks/sampling.py);
-    'auto' resolves to drafters that all measured best with top-k drafts."""
-    if name in (MOA, AUTO):
-        return AcceptanceMode.TOPK_DRAFTS
-    return DRAFTERS[name].sampling_acceptance
+    """The rule a drafter drafts best for under sampling (README, benchmarks/sampling.py).
+    'auto' has none until `resolve_drafter` names a drafter (EdgeClient.options)."""
+    if name == AUTO:
+        raise ValueError("'auto' names no drafter yet: build the request from the options of "
+                         "an entered EdgeClient, which resolves it against the server")
+    return (MoaDrafter if name == MOA else DRAFTERS[name]).sampling_acceptance
 
 
 class DrafterPool:
@@ -69,13 +71,10 @@ async def drafter_pool(name: str, link: ServerLink, info: ServerInfo) -> Drafter
         return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth),
                            shared=False)
     bundle_dir = await _moa_bundle(link, info)
-    from edge_client.drafters.moa import MoaDrafter  # onnxruntime: only when asked for
-
     return DrafterPool(lambda: MoaDrafter(bundle_dir), shared=True)
 
 
 async def _moa_bundle(link: ServerLink, info: ServerInfo) -> Path:
-
     bundle = next((a for a in info.artifacts if a.kind is ArtifactKind.DRAFTER_BUNDLE), None)
     if bundle is None:
         raise LinkError(f"the server ({info.model_id}) offers no MoA drafter: use --drafter "

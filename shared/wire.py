@@ -8,9 +8,9 @@ from shared.activation_codec import from_int8, to_int8
 from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
 from shared.messages import (
-    ActivationFormat, ActivationRows, ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage, CloseRequest, Done, DraftRequest,
-    FinishReason, GenerateRequest, Limits, OpenRequest, Opened, Resume, ServerInfo, ServerMessage,
-    Verdict,
+    ActivationFormat, ActivationRows, ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage,
+    CloseRequest, Done, DraftRequest, FinishReason, GenerateRequest, Limits, OpenRequest, Opened,
+    Resume, ServerInfo, ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.sampling import SamplingParams

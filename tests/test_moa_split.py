@@ -138,3 +138,12 @@ def test_bundle_fetch_deadline_grows_with_its_size(moa_server):
         assert hashlib.sha256(data).hexdigest() == bundle.sha256
         with pytest.raises(LinkError):
             asyncio.run(fetch(proxy.address, bundle.size_bytes * 5))  # 0.4 s allowed
+
+
+def test_auto_has_no_sampling_rule_until_resolved():
+    """A sampled request is built from an entered client's options, where 'auto' is resolved."""
+    with pytest.raises(ValueError, match="auto"):
+        ClientOptions("auto", sampling=SamplingParams(temperature=0.8)).open_request(
+            prompt_ids=PROMPTS[0])
+    moa = ClientOptions("moa", sampling=SamplingParams(temperature=0.8))
+    assert moa.open_request(prompt_ids=PROMPTS[0]).acceptance is AcceptanceMode.TOPK_DRAFTS

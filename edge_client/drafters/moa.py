@@ -28,6 +28,7 @@ import numpy as np
 from edge_client.drafters.moa_bundle import load_manifest
 from edge_client.drafters.pld import PromptLookupDrafter
 from edge_client.drafters.trie import SAMPLED_WIDTHS
+from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
 
@@ -60,6 +61,8 @@ class _Candidates:
 
 class MoaDrafter:
     name = "moa"
+    # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
+    sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
     def __init__(self, bundle_dir: Path, precision: str = "int8", max_depth: int = 8,
                  beam: int = 8, branch: int = 8, threads: int = 1,
