@@ -15,6 +15,7 @@ from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
+from shared import keepalive
 from shared.messages import ArtifactKind, Limits
 from shared.pb.splitdec.v1 import splitdec_pb2, splitdec_pb2_grpc
 
@@ -26,11 +27,7 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", limits.max_message_bytes),
         ("grpc.max_send_message_length", limits.max_message_bytes),
-        # Edge clients ping every second to notice a dead link within ~2 s (DESIGN section 5);
-        # accept those pings instead of answering GOAWAY "too_many_pings".
-        ("grpc.http2.min_ping_interval_without_data_ms", 500),
-        ("grpc.http2.max_ping_strikes", 0),
-        ("grpc.keepalive_permit_without_calls", 1),
+        *keepalive.server_options(),
     ]
 
 

@@ -10,7 +10,6 @@ import asyncio
 import functools
 import logging
 import time
-from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
@@ -20,10 +19,12 @@ from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
-from cloud_server.sessions import SessionTable
+from cloud_server.session_table import SessionTable
 from cloud_server.target import TargetModel
 from shared import wire
-from shared.errors import InvalidRequest, OutOfOrder, Overloaded, SplitDecodingError
+from shared.errors import (
+    InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
+)
 from shared.messages import (
     PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, ServerInfo, ServerMessage,
     Verdict,
@@ -38,6 +39,7 @@ STATUS_OF = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    NotFound: grpc.StatusCode.NOT_FOUND,
 }
 
 
@@ -54,22 +56,41 @@ async def _send(context, msg: ServerMessage) -> None:
         raise StreamBroken(str(err)) from None
 
 
+async def _abort(context, err: Exception, handler_name: str) -> None:
+    """Ends the call with the status a domain error maps to, with its message; anything else
+    is a bug on our side: logged, and INTERNAL for the caller."""
+    if isinstance(err, SplitDecodingError):
+        await context.abort(STATUS_OF[type(err)], str(err))
+    log.exception("internal error in %s", handler_name)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err}")
+
+
 def _grpc_status(handler):
-    """Maps a domain error raised by a handler to its status code, with the error's message;
-    anything else is a bug on our side: logged, and INTERNAL for the caller."""
+    """Maps what a unary or stream-in handler raises to a gRPC status (see _abort)."""
     @functools.wraps(handler)
     async def wrapped(self, request, context):
         try:
             return await handler(self, request, context)
-        except SplitDecodingError as err:
-            await context.abort(STATUS_OF[type(err)], str(err))
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except StreamBroken:
             return None
         except Exception as err:  # noqa: BLE001 - the boundary: the server must keep serving
-            log.exception("internal error in %s", handler.__name__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err}")
+            await _abort(context, err, handler.__name__)
+    return wrapped
+
+
+def _grpc_status_stream(handler):
+    """_grpc_status for a handler that yields its responses (server streaming)."""
+    @functools.wraps(handler)
+    async def wrapped(self, request, context):
+        try:
+            async for response in handler(self, request, context):
+                yield response
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as err:  # noqa: BLE001 - the boundary: the server must keep serving
+            await _abort(context, err, handler.__name__)
     return wrapped
 
 
@@ -94,14 +115,16 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             verify_costs=self.verify_costs,
             activation_width=0 if self.drafter is None else self.drafter.width)
 
+    @_grpc_status
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:
         return wire.info_to_proto(self.info())
 
+    @_grpc_status_stream
     async def FetchArtifact(self, request: pb.FetchArtifactRequest, context
                             ) -> AsyncIterator[pb.ArtifactChunk]:
         found = self.artifacts.get(request.name)
         if found is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no artifact named {request.name!r}")
+            raise NotFound(f"no artifact named {request.name!r}")
         info, data = found
         for offset in range(0, len(data), CHUNK_BYTES):
             yield pb.ArtifactChunk(data=data[offset: offset + CHUNK_BYTES], offset=offset,
@@ -191,15 +214,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             self.sessions.release(session, owner)
 
     async def _verify(self, session: Session, draft: DraftRequest) -> Verdict:
-        queued = time.perf_counter()
-        started: list[float] = []
-
-        def run() -> Verdict:
-            started.append(time.perf_counter())
-            return session.verify(draft)
-
-        verdict = await self._on_model(run)
-        return replace(verdict, queue_ms=1000 * (started[0] - queued))
+        return await self._on_model(session.verify, draft, time.perf_counter())
 
     async def _read(self, context):
         """The next client message as a domain object; None at the end of the stream."""

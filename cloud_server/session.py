@@ -10,7 +10,6 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -146,7 +145,7 @@ class Session:
         self._cache, logits = self.target.prefill(self.committed)
         empty = DraftTree((), ())
         acceptance = self._accept(empty, logits[None], self._q_rows(empty, ()))
-        return self._with_activations(self._commit((), acceptance.tokens, start), 0, start)
+        return self._verdict((), self._commit(acceptance.tokens), 0, start)
 
     def catch_up(self, resume: Resume) -> Verdict:
         """The answer to a resume of this session: the committed tokens the edge lacks."""
@@ -155,21 +154,20 @@ class Session:
         if held[: len(edge)] != edge:
             raise InvalidRequest(f"resume history of {len(edge)} tokens does not match session "
                                  f"{self.id}")
-        verdict = Verdict(round_id=self.rounds, accepted_nodes=(),
-                          tokens=tuple(held[len(edge):]), committed_length=len(self.committed),
-                          finish_reason=self.finish_reason)
         # The edge holds activations up to its own pending token, not included.
-        return self._with_activations(verdict, len(self.prompt_ids) + len(edge) - 1,
-                                      time.perf_counter())
+        return self._verdict((), tuple(held[len(edge):]), len(self.prompt_ids) + len(edge) - 1,
+                             time.perf_counter())
 
-    def verify(self, draft: DraftRequest) -> Verdict:
-        """One round: checks the tree against the target and commits what it agrees with."""
+    def verify(self, draft: DraftRequest, queued_at: float | None = None) -> Verdict:
+        """One round: checks the tree against the target and commits what it agrees with.
+        `queued_at` (perf_counter) is when the request started waiting for the model."""
         self._check_order(draft)
         draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
                             self.limits.max_tree_depth)
-        return self.advance(draft.tree, draft.q)
+        return self.advance(draft.tree, draft.q, queued_at)
 
-    def advance(self, tree: DraftTree, q: tuple[NodeQ, ...] = ()) -> Verdict:
+    def advance(self, tree: DraftTree, q: tuple[NodeQ, ...] = (),
+                queued_at: float | None = None) -> Verdict:
         """Verifies a tree (a client's, validated; or the server's own; empty: a plain decoding
         step), with the q its drafts were sampled from under acceptance sampled-drafts."""
         q_rows = self._q_rows(tree, q)
@@ -179,18 +177,28 @@ class Session:
         self.rounds += 1
         acceptance = self._accept(tree, logits, q_rows)
         keep_path(self._cache, base, acceptance.accepted_nodes)
-        verdict = self._commit(acceptance.accepted_nodes, acceptance.tokens, start)
-        return self._with_activations(verdict, base, start)
+        tokens = self._commit(acceptance.tokens)
+        return self._verdict(acceptance.accepted_nodes[: len(tokens)], tokens, base, start,
+                             queued_at)
 
-    def _with_activations(self, verdict: Verdict, first: int, start: float) -> Verdict:
-        """The Verdict with the activations of cache positions first .. (all cached) when the
-        session asked for them; verify_ms then includes computing them."""
+    def _verdict(self, accepted: tuple[int, ...], tokens: tuple[int, ...], first_row: int,
+                 start: float, queued_at: float | None = None) -> Verdict:
+        """The answer, built once: the committed tokens, and when the session asked for them
+        the activations of cache positions first_row .. (all cached); verify_ms includes
+        computing those."""
+        return Verdict(
+            round_id=self.rounds, accepted_nodes=accepted, tokens=tokens,
+            committed_length=len(self.committed), finish_reason=self.finish_reason,
+            activations=self._activations(first_row),
+            queue_ms=0.0 if queued_at is None else 1000 * (start - queued_at),
+            verify_ms=1000 * (time.perf_counter() - start))
+
+    def _activations(self, first: int) -> ActivationRows | None:
         end = self._cache.get_seq_length()
         if self._activation_format is None or first >= end:
-            return verdict
+            return None
         rows = self._activation_source(self._cache, first, end)  # [end - first, width]
-        return replace(verdict, activations=ActivationRows(first, rows, self._activation_format),
-                       verify_ms=1000 * (time.perf_counter() - start))
+        return ActivationRows(first, rows, self._activation_format)
 
     def _q_rows(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> QRows | None:
         if self.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
@@ -225,7 +233,8 @@ class Session:
             raise OutOfOrder(f"draft continues {draft.base_length} tokens, but "
                              f"{len(self.committed)} are committed")
 
-    def _commit(self, accepted: tuple[int, ...], tokens: tuple[int, ...], start: float) -> Verdict:
+    def _commit(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
+        """Commits what the budget and the stop conditions let through; returns it."""
         tokens = tokens[: self.max_new_tokens - self.generated]
         stop = self._first_stop(tokens)
         if stop is not None:
@@ -234,10 +243,7 @@ class Session:
         self.committed.extend(tokens)
         if not self.finished and self.generated >= self.max_new_tokens:
             self.finish_reason = self._cap_reason
-        return Verdict(
-            round_id=self.rounds, accepted_nodes=accepted[: len(tokens)],
-            tokens=tokens, committed_length=len(self.committed), finish_reason=self.finish_reason,
-            verify_ms=1000 * (time.perf_counter() - start))
+        return tokens
 
     def _first_stop(self, tokens: tuple[int, ...]) -> tuple[int, FinishReason] | None:
         """The index of the first token that ends the generation, and why. A stop string ends it

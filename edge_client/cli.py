@@ -5,6 +5,13 @@
 """
 from __future__ import annotations
 
+import os
+
+# Before grpc is imported: grpc core logs a dropped link at INFO ("Got goaway ... ping_timeout");
+# the CLI reports link events itself, in one line a user can read. Set GRPC_VERBOSITY to see
+# grpc's own again. Only the program does this: importing the edge_client library does not.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
 import argparse
 import asyncio
 import contextlib

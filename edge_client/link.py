@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from shared import wire
+from shared import keepalive, wire
 from shared.messages import ClientMessage, GenerateRequest, ServerInfo, ServerMessage
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
@@ -52,15 +52,7 @@ def channel_options(config: LinkConfig) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", config.max_message_bytes),
         ("grpc.max_send_message_length", config.max_message_bytes),
-        # A ping every second, dropped after 1 s unanswered: a dead link shows within ~2 s
-        # (DESIGN section 5 measured ~1.4 s) instead of at the round deadline.
-        ("grpc.keepalive_time_ms", 1000),
-        ("grpc.keepalive_timeout_ms", 1000),
-        # Without this grpcio 1.85 never times a ping out on a black-holed link (measured with
-        # netsim: a 10 s black hole went unnoticed; with it, UNAVAILABLE after ~1.4 s).
-        ("grpc.http2.ping_timeout_ms", 1000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+        *keepalive.client_options(),
         # After a drop, the channel redials quickly instead of grpc's default 1 s to 120 s
         # backoff; the client's own reconnect loop (offline.py) paces the attempts. Leave
         # grpc.min_reconnect_backoff_ms alone: it is also the connect timeout, and at 100 ms a

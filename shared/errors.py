@@ -20,3 +20,7 @@ class OutOfOrder(SplitDecodingError):
 
 class Overloaded(SplitDecodingError):
     """Over a capacity limit such as the session count (RESOURCE_EXHAUSTED)."""
+
+
+class NotFound(SplitDecodingError):
+    """A named thing the server does not have, such as an artifact (NOT_FOUND)."""

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cloud_server.sessions import SessionTable
+from cloud_server.session_table import SessionTable
 from edge_client.drafters.pld import PromptLookupDrafter
 from edge_client.offline import Backoff, LinkPolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
@@ -93,3 +93,15 @@ def test_session_table_holds_orphans_for_the_idle_timeout_then_evicts():
     table.reserve()  # the orphan expired and made room
     assert "a" not in table and "b" in table  # an owned session is never evicted
     assert table.take_over("a", second) is None
+
+
+def test_server_accepts_the_edge_keepalive_pings():
+    """A server that allows fewer pings than the edge sends answers GOAWAY too_many_pings."""
+    from cloud_server.server import server_options
+    from edge_client.link import LinkConfig, channel_options
+    from shared.messages import Limits
+
+    client = dict(channel_options(LinkConfig()))
+    server = dict(server_options(Limits()))
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] < client["grpc.keepalive_time_ms"]
+    assert client["grpc.keepalive_permit_without_calls"] == 1
