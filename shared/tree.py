@@ -90,14 +90,19 @@ class DraftTree:
     def subtree(self, node: int) -> "DraftTree":
         """The descendants of `node`, re-rooted so its children become the first level; node
         order (and so best-first order) is kept."""
+        return self.subtree_nodes(node)[0]
+
+    def subtree_nodes(self, node: int) -> tuple["DraftTree", tuple[int, ...]]:
+        """subtree(node), and for each of its nodes the index it has in this tree."""
         index = {node: ROOT}
-        tokens, parents = [], []
+        tokens, parents, nodes = [], [], []
         for i in range(node + 1, len(self)):
             if self.parents[i] in index:
                 index[i] = len(tokens)
                 tokens.append(self.tokens[i])
                 parents.append(index[self.parents[i]])
-        return DraftTree(tuple(tokens), tuple(parents))
+                nodes.append(i)
+        return DraftTree(tuple(tokens), tuple(parents)), tuple(nodes)
 
     def validate(self, vocab_size: int, max_nodes: int, max_depth: int) -> None:
         """Raises InvalidRequest with a message naming the first problem found."""

@@ -1,0 +1,58 @@
+"""A client's draft re-rooted at the server's committed position (server-paced sessions).
+
+A draft continues the committed text as it was when the client drafted it (`base_length`). The
+server does not wait for it: by the time it arrives the server may have committed more tokens.
+The draft still helps if its tree predicted them: walk it from its first level along those
+tokens, and the nodes below the last match are a draft for the new position. A draft that took
+another path contributes nothing. Both sides call this function, so a Verdict names accepted
+nodes by their index in the re-rooted tree and the client maps them back without a table.
+
+Re-rooting keeps every acceptance rule lossless: the subtree's tokens (and, for sampled drafts,
+the q they were drawn from) were fixed before the server drew anything at those positions, which
+is all the rules of docs/architecture.md ask of a draft.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from shared.draft_q import NodeQ
+from shared.tree import ROOT, DraftTree
+
+
+@dataclass(frozen=True)
+class Rerooted:
+    tree: DraftTree  # continues the committed text at its new length
+    nodes: tuple[int, ...]  # nodes[i]: the index in the original draft of the tree's node i
+    q: tuple[NodeQ, ...] = ()  # re-indexed to `tree` (acceptance sampled-drafts only)
+
+
+def reroot(tree: DraftTree, base_length: int, committed: Sequence[int],
+           q: tuple[NodeQ, ...] = ()) -> Rerooted | None:
+    """The part of `tree` (drafted at `base_length`) that continues `committed`; None when the
+    tree does not follow the tokens committed since its base, or nothing of it is left."""
+    if base_length > len(committed):
+        raise ValueError(f"draft base {base_length} is past the committed {len(committed)}")
+    anchor = _walk(tree, committed[base_length:])
+    if anchor is None:
+        return None
+    sub, nodes = tree.subtree_nodes(anchor)
+    if not len(sub):
+        return None
+    index = {anchor: ROOT, **{old: new for new, old in enumerate(nodes)}}
+    kept_q = tuple(NodeQ(index[row.node], row.tokens, row.probs) for row in q
+                   if row.node in index)
+    return Rerooted(sub, nodes, kept_q)
+
+
+def _walk(tree: DraftTree, tokens: Sequence[int]) -> int | None:
+    """The node reached by following `tokens` from the first level (ROOT for none); None when
+    some token is not a child of the node before it."""
+    child = {(parent, token): i for i, (parent, token) in enumerate(zip(tree.parents, tree.tokens))}
+    node = ROOT
+    for token in tokens:
+        found = child.get((node, token))
+        if found is None:
+            return None
+        node = found
+    return node
