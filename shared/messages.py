@@ -30,6 +30,14 @@ class ArtifactKind(enum.Enum):
     DRAFTER_BUNDLE = 2
 
 
+class Pace(enum.Enum):
+    """Who paces a Decode session's forwards (docs/architecture.md, "Pacing")."""
+
+    LOCKSTEP = "lockstep"  # one forward per client draft, verified at its base
+    SERVER = "server"  # never wait: the freshest draft re-rooted, plus the server's candidates
+    AUTO = "auto"  # as server, waiting for a draft in flight while that is worth it
+
+
 class ActivationFormat(enum.Enum):
     FP16 = 1
     INT8 = 2
@@ -105,6 +113,8 @@ class OpenRequest:
     stop_strings: tuple[str, ...] = ()
     resume: Resume | None = None
     activations: ActivationFormat | None = None  # a drafter fed by the server half asks
+    pace: Pace | None = None  # None: the server's default
+    lead: int = 0  # tokens the server may run past the client's acknowledgement; 0: default
 
 
 @dataclass(frozen=True)
@@ -136,6 +146,8 @@ class Opened:
     acceptance: AcceptanceMode = AcceptanceMode.GREEDY
     seed: int = 0
     resumed: bool = False  # the session outlived a broken stream and continues in place
+    pace: Pace = Pace.LOCKSTEP
+    lead: int = 0
 
 
 @dataclass(frozen=True)
@@ -148,6 +160,14 @@ class Verdict:
     queue_ms: float = 0.0
     verify_ms: float = 0.0
     activations: ActivationRows | None = None
+    # Paced sessions: the client draft whose nodes this forward verified (0: none);
+    # accepted_nodes index it re-rooted at this Verdict's base (shared/rerooting.py).
+    draft_id: int = 0
+
+    @property
+    def base_length(self) -> int:
+        """The committed length this Verdict continues."""
+        return self.committed_length - len(self.tokens)
 
 
 @dataclass(frozen=True)

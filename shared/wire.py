@@ -10,7 +10,7 @@ from shared.errors import InvalidRequest
 from shared.messages import (
     ActivationFormat, ActivationRows, ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage,
     CloseRequest, Done, DraftRequest, FinishReason, GenerateRequest, Limits, OpenRequest, Opened,
-    Resume, ServerInfo, ServerMessage, Verdict,
+    Pace, Resume, ServerInfo, ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.sampling import SamplingParams
@@ -67,7 +67,18 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
         open_msg.resume.CopyFrom(pb.Resume(session_id=msg.resume.session_id,
                                            generated_ids=msg.resume.generated_ids))
     open_msg.activations = activation_format_to_proto(msg.activations)
+    open_msg.pace = _pace_to_proto(msg.pace)
+    open_msg.lead = msg.lead
     return open_msg
+
+
+def _pace_to_proto(pace: Pace | None) -> int:
+    return 0 if pace is None else pb.Pace.Value(f"PACE_{pace.name}")
+
+
+def _pace_from_proto(value: int) -> Pace | None:
+    name = pb.Pace.Name(value).removeprefix("PACE_")
+    return None if name == "UNSPECIFIED" else Pace[name]
 
 
 def generate_to_proto(msg: GenerateRequest) -> pb.GenerateRequest:
@@ -111,7 +122,8 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
                   stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
                   resume=(Resume(msg.resume.session_id, tuple(msg.resume.generated_ids))
                           if msg.HasField("resume") else None),
-                  activations=activation_format_from_proto(msg.activations))
+                  activations=activation_format_from_proto(msg.activations),
+                  pace=_pace_from_proto(msg.pace), lead=msg.lead)
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
@@ -150,12 +162,13 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
         return pb.ServerMessage(opened=pb.Opened(
             session_id=msg.session_id, prompt_ids=msg.prompt_ids,
             acceptance=_mode_to_proto(msg.acceptance), seed=msg.seed,
-            resumed=msg.resumed))
+            resumed=msg.resumed, pace=_pace_to_proto(msg.pace), lead=msg.lead))
     if isinstance(msg, Verdict):
         verdict = pb.Verdict(
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
             committed_length=msg.committed_length, finish_reason=msg.finish_reason.value,
-            timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms))
+            timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms),
+            draft_id=msg.draft_id)
         if msg.activations is not None:
             verdict.activations.CopyFrom(_activations_to_proto(msg.activations))
         return pb.ServerMessage(verdict=verdict)
@@ -207,13 +220,13 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     if kind == "opened":
         o = msg.opened
         return Opened(o.session_id, tuple(o.prompt_ids), _mode_from_proto(o.acceptance), o.seed,
-                      o.resumed)
+                      o.resumed, _pace_from_proto(o.pace) or Pace.LOCKSTEP, o.lead)
     if kind == "verdict":
         v = msg.verdict
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,
                        FinishReason(v.finish_reason), v.timings.queue_ms, v.timings.verify_ms,
                        _activations_from_proto(v.activations) if v.HasField("activations")
-                       else None)
+                       else None, v.draft_id)
     if kind == "done":
         d = msg.done
         return Done(FinishReason(d.finish_reason), d.generated_tokens, d.rounds)

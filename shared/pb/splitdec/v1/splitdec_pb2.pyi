@@ -27,6 +27,13 @@ class AcceptanceMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ACCEPTANCE_MODE_SAMPLED_DRAFTS: _ClassVar[AcceptanceMode]
     ACCEPTANCE_MODE_EXPONENTIAL_RACE: _ClassVar[AcceptanceMode]
 
+class Pace(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PACE_UNSPECIFIED: _ClassVar[Pace]
+    PACE_LOCKSTEP: _ClassVar[Pace]
+    PACE_SERVER: _ClassVar[Pace]
+    PACE_AUTO: _ClassVar[Pace]
+
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
@@ -45,6 +52,10 @@ ACCEPTANCE_MODE_GREEDY: AcceptanceMode
 ACCEPTANCE_MODE_TOPK_DRAFTS: AcceptanceMode
 ACCEPTANCE_MODE_SAMPLED_DRAFTS: AcceptanceMode
 ACCEPTANCE_MODE_EXPONENTIAL_RACE: AcceptanceMode
+PACE_UNSPECIFIED: Pace
+PACE_LOCKSTEP: Pace
+PACE_SERVER: Pace
+PACE_AUTO: Pace
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -182,7 +193,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations", "pace", "lead")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +203,8 @@ class Open(_message.Message):
     STOP_STRINGS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    PACE_FIELD_NUMBER: _ClassVar[int]
+    LEAD_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
@@ -201,7 +214,9 @@ class Open(_message.Message):
     stop_strings: _containers.RepeatedScalarFieldContainer[str]
     resume: Resume
     activations: ActivationFormat
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ...) -> None: ...
+    pace: Pace
+    lead: int
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("session_id", "generated_ids")
@@ -260,18 +275,22 @@ class ClientMessage(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., draft: _Optional[_Union[Draft, _Mapping]] = ..., close: _Optional[_Union[Close, _Mapping]] = ...) -> None: ...
 
 class Opened(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "acceptance", "seed", "resumed")
+    __slots__ = ("session_id", "prompt_ids", "acceptance", "seed", "resumed", "pace", "lead")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    PACE_FIELD_NUMBER: _ClassVar[int]
+    LEAD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     acceptance: AcceptanceMode
     seed: int
     resumed: bool
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., seed: _Optional[int] = ..., resumed: _Optional[bool] = ...) -> None: ...
+    pace: Pace
+    lead: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., seed: _Optional[int] = ..., resumed: _Optional[bool] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ...) -> None: ...
 
 class ServerTimings(_message.Message):
     __slots__ = ("queue_ms", "verify_ms")
@@ -282,7 +301,7 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations")
+    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations", "draft_id")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +309,7 @@ class Verdict(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -297,7 +317,8 @@ class Verdict(_message.Message):
     finish_reason: FinishReason
     timings: ServerTimings
     activations: Activations
-    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ...) -> None: ...
+    draft_id: int
+    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., draft_id: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("finish_reason", "generated_tokens", "rounds")
