@@ -39,20 +39,28 @@ class ServerDecoder:
 
     def step(self) -> Verdict:
         """One target forward: a plain decoding step, or one drafted tree verified."""
-        if self._drafter is None:
-            return self.session.advance(PLAIN)
         start = time.perf_counter()
         context = list(self.session.committed)
-        tree, q = self._draft(context)
+        tree, q = self.propose(context)
         verdict = self.session.advance(tree, q)
-        self._drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
-        self._budget.observe(len(tree), verdict.accepted_nodes,
-                             1000 * (time.perf_counter() - start), verdict.verify_ms)
+        self.learn(context, tree, verdict, start)
         return verdict
 
-    def _draft(self, context: list[int]) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+    def propose(self, context: list[int]) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """The server's own candidates continuing `context` (empty without a drafter)."""
+        if self._drafter is None:
+            return PLAIN, ()
         nodes = self._budget.nodes()
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
             return self._drafter.propose(context, nodes), ()
         rng = round_rng(self.session.seed, RngStream.DRAFT, len(context))
         return self._drafter.propose_sampled(context, nodes, rng)
+
+    def learn(self, context: list[int], tree: DraftTree, verdict: Verdict, start: float) -> None:
+        """Feeds a forward's outcome for `tree` (proposed at `context`, from perf_counter
+        `start`) to the drafter and the tree budget."""
+        if self._drafter is None:
+            return
+        self._drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
+        self._budget.observe(len(tree), verdict.accepted_nodes,
+                             1000 * (time.perf_counter() - start), verdict.verify_ms)

@@ -7,9 +7,11 @@ gRPC status codes here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 import time
+from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
@@ -17,6 +19,8 @@ import grpc
 from cloud_server.artifacts import ArtifactStore
 from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.model_thread import ModelThread
+from cloud_server.paced_decoder import PacedDecoder
+from cloud_server.pacing import Inbox, PacingPolicy, run_paced
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
 from cloud_server.session_table import SessionTable
@@ -26,8 +30,8 @@ from shared.errors import (
     InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
 )
 from shared.messages import (
-    PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, ServerInfo, ServerMessage,
-    Verdict,
+    PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, Pace, ServerInfo,
+    ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
@@ -41,6 +45,13 @@ STATUS_OF = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
 }
+
+
+class _Ended(enum.Enum):
+    """How a paced session's client stream ended."""
+
+    CLOSED = 1  # the client sent Close
+    GONE = 2  # the stream ended, or another stream took the session over
 
 
 class StreamBroken(Exception):
@@ -97,8 +108,9 @@ def _grpc_status_stream(handler):
 class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore,
                  model_thread: ModelThread, verify_costs: tuple[tuple[int, float], ...] = (),
-                 drafter: ServedDrafter | None = None):
+                 drafter: ServedDrafter | None = None, pacing: PacingPolicy = PacingPolicy()):
         self.target = target
+        self.pacing = pacing
         self.drafter = drafter
         self.verify_costs = verify_costs
         self.limits = limits
@@ -144,7 +156,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                      else await self._on_model(session.prefill))
             await _send(context, session.opened(resumed))
             await _send(context, first)
-            ended = await self._serve_rounds(session, context, owner)
+            serve = self._serve_rounds if session.pace is Pace.LOCKSTEP else self._serve_paced
+            ended = await serve(session, context, owner)
         except SplitDecodingError:
             self.sessions.release(session, owner)
             raise
@@ -172,6 +185,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
 
     async def _new_session(self, request: OpenRequest, owner: object) -> Session:
         self.sessions.reserve()
+        pace, lead = self.pacing.resolve(request.pace, request.lead)
+        request = replace(request, pace=pace, lead=lead)
         source = None if self.drafter is None else self.drafter.activations
         session = await self._on_model(Session, self.target, self.limits, request, source)
         self.sessions.add(session, owner)
@@ -195,6 +210,50 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         if await self._read(context) is not None:
             raise OutOfOrder(f"session {session.id} is closed")
         return True
+
+    async def _serve_paced(self, session: Session, context, owner: object) -> bool:
+        """Forward after forward without waiting for the client (pacing.py), its drafts read
+        as they come; then Done. Returns as _serve_rounds does."""
+        inbox = Inbox(len(session.committed))
+        own = ServerDecoder(session, self.pacing.drafter, 0, self.verify_costs)
+        decoder = PacedDecoder(session, own)
+        reader = asyncio.create_task(self._fill(session, context, owner, inbox))
+        try:
+            await run_paced(lambda: len(session.committed), lambda: session.finished, inbox,
+                            lambda draft, queued_at: self._on_model(decoder.step, draft,
+                                                                    queued_at),
+                            lambda verdict: _send(context, verdict), session.pace, session.lead)
+            if not session.finished and await reader is _Ended.GONE:
+                return False
+            await _send(context, session.done())
+            await reader  # drafts still in flight are dropped until the client half-closes
+            return True
+        finally:
+            reader.cancel()
+
+    async def _fill(self, session: Session, context, owner: object, inbox: Inbox) -> "_Ended":
+        """Reads the client's drafts into the inbox until it closes, the stream ends or another
+        stream takes the session over; drafts that arrive after the end are dropped."""
+        try:
+            while True:
+                msg = await self._read(context)
+                if msg is None or not self.sessions.owns(session, owner):
+                    return _Ended.GONE
+                if isinstance(msg, CloseRequest):
+                    return _Ended.CLOSED
+                if isinstance(msg, OpenRequest):
+                    raise OutOfOrder("a session is already open on this stream")
+                if not session.finished:
+                    self._check_draft(session, msg)
+                    inbox.put(msg, len(session.committed))
+        finally:
+            inbox.close()
+
+    def _check_draft(self, session: Session, draft: DraftRequest) -> None:
+        if len(draft.tree):  # an empty draft only acknowledges
+            limits = self.limits
+            draft.tree.validate(self.target.vocab_size, limits.max_tree_nodes,
+                                limits.max_tree_depth)
 
     @_grpc_status
     async def Generate(self, request: pb.GenerateRequest, context) -> None:

@@ -24,8 +24,8 @@ from shared.acceptance import (
 from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest, OutOfOrder
 from shared.messages import (
-    ActivationRows, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Resume,
-    Verdict,
+    ActivationRows, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace,
+    Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng, warp
 from shared.tree import DraftTree
@@ -58,6 +58,8 @@ class Session:
             raise InvalidRequest(f"this server has no drafter for {target.model_id} and sends "
                                  "no activations: choose a drafter that needs none")
         self._activation_source = activations
+        self.pace = request.pace or Pace.LOCKSTEP  # resolved by the service's pacing policy
+        self.lead = request.lead
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache = None
@@ -137,7 +139,8 @@ class Session:
         return mode
 
     def opened(self, resumed: bool = False) -> Opened:
-        return Opened(self.id, self.prompt_ids, self.acceptance, self.seed, resumed)
+        return Opened(self.id, self.prompt_ids, self.acceptance, self.seed, resumed, self.pace,
+                      self.lead)
 
     def prefill(self) -> Verdict:
         """Round 0: runs the prompt (and a resumed history) and commits the target's next token."""
@@ -164,12 +167,15 @@ class Session:
         self._check_order(draft)
         draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
                             self.limits.max_tree_depth)
-        return self.advance(draft.tree, draft.q, queued_at)
+        return self.advance(draft.tree, draft.q, queued_at, draft.round_id)
 
     def advance(self, tree: DraftTree, q: tuple[NodeQ, ...] = (),
-                queued_at: float | None = None) -> Verdict:
+                queued_at: float | None = None, draft_id: int = 0,
+                client_nodes: int | None = None) -> Verdict:
         """Verifies a tree (a client's, validated; or the server's own; empty: a plain decoding
-        step), with the q its drafts were sampled from under acceptance sampled-drafts."""
+        step), with the q its drafts were sampled from under acceptance sampled-drafts. The
+        tree's first `client_nodes` nodes (all when None) come from client draft `draft_id`;
+        the Verdict names only those among the accepted nodes."""
         q_rows = self._q_rows(tree, q)
         start = time.perf_counter()
         base = len(self.committed) - 1
@@ -178,11 +184,12 @@ class Session:
         acceptance = self._accept(tree, logits, q_rows)
         keep_path(self._cache, base, acceptance.accepted_nodes)
         tokens = self._commit(acceptance.tokens)
-        return self._verdict(acceptance.accepted_nodes[: len(tokens)], tokens, base, start,
-                             queued_at)
+        limit = len(tree) if client_nodes is None else client_nodes
+        accepted = tuple(i for i in acceptance.accepted_nodes[: len(tokens)] if i < limit)
+        return self._verdict(accepted, tokens, base, start, queued_at, draft_id)
 
     def _verdict(self, accepted: tuple[int, ...], tokens: tuple[int, ...], first_row: int,
-                 start: float, queued_at: float | None = None) -> Verdict:
+                 start: float, queued_at: float | None = None, draft_id: int = 0) -> Verdict:
         """The answer, built once: the committed tokens, and when the session asked for them
         the activations of cache positions first_row .. (all cached); verify_ms includes
         computing those."""
@@ -191,7 +198,7 @@ class Session:
             committed_length=len(self.committed), finish_reason=self.finish_reason,
             activations=self._activations(first_row),
             queue_ms=0.0 if queued_at is None else 1000 * (start - queued_at),
-            verify_ms=1000 * (time.perf_counter() - start))
+            verify_ms=1000 * (time.perf_counter() - start), draft_id=draft_id)
 
     def _activations(self, first: int) -> ActivationRows | None:
         end = self._cache.get_seq_length()

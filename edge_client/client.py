@@ -14,7 +14,7 @@ from edge_client.offline import LinkPolicy
 from edge_client.tokenizer import load_tokenizer
 from shared.acceptance import AcceptanceMode
 from shared.messages import (
-    PROTOCOL_VERSION, ActivationFormat, ChatMessage, OpenRequest, ServerInfo,
+    PROTOCOL_VERSION, ActivationFormat, ChatMessage, OpenRequest, Pace, ServerInfo,
 )
 from shared.sampling import SamplingParams
 
@@ -32,13 +32,15 @@ class ClientOptions:
     link_policy: LinkPolicy = LinkPolicy()
     # For a drafter fed by the server half (MoA): how its activations travel.
     activation_format: ActivationFormat = ActivationFormat.FP16
+    pace: Pace | None = None  # None: the server's default
+    lead: int = 0  # paced sessions: tokens the server may run ahead; 0: the server's default
 
     def open_request(self, prompt_ids: Sequence[int] | None = None,
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
         return OpenRequest(prompt_ids=None if prompt_ids is None else tuple(prompt_ids),
                            chat=chat, max_new_tokens=self.max_new_tokens,
                            sampling=self.sampling, acceptance=self._acceptance(),
-                           stop_strings=self.stop_strings)
+                           stop_strings=self.stop_strings, pace=self.pace, lead=self.lead)
 
     def _acceptance(self) -> AcceptanceMode | None:
         if self.acceptance is not None or self.sampling.greedy:

@@ -16,12 +16,13 @@ from typing import Protocol, Sequence
 from edge_client.budget import TreeBudget
 from edge_client.drafters.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
+from edge_client.following import DraftFollower
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ, point_masses
 from shared.messages import (
-    Done, DraftRequest, FinishReason, OpenRequest, Opened, Resume, Verdict,
+    Done, DraftRequest, FinishReason, OpenRequest, Opened, Pace, Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
@@ -143,8 +144,11 @@ class SplitGeneration:
         stream = self.link.decode(wait_for_ready=self._outage is not None)
         try:
             await self._open(stream, start)
-            while self.finish is FinishReason.NOT_FINISHED:
-                await self._round(stream)
+            if self.opened.pace is Pace.LOCKSTEP:
+                while self.finish is FinishReason.NOT_FINISHED:
+                    await self._round(stream)
+            else:
+                await self._follow(stream)
             await _expect(stream, Done)
             with contextlib.suppress(LinkError):  # the answer is complete; a late drop is moot
                 await stream.finish()
@@ -208,6 +212,39 @@ class SplitGeneration:
         self.result.accepted_tokens += len(verdict.accepted_nodes)
         self._commit(verdict)
         self._take_speculation(speculation, verdict)
+
+    async def _follow(self, stream: DecodeStream) -> None:
+        """A server-paced session: the server runs forward after forward; the edge answers
+        every Verdict with a draft from the new committed position, or only acknowledges it
+        while its last draft still continues the text (the server re-roots it)."""
+        follower = DraftFollower()
+        await self._answer(stream, follower)
+        while self.finish is FinishReason.NOT_FINISHED:
+            verdict: Verdict = await _expect(stream, Verdict)
+            self._learn(follower.verified(verdict, self.context), verdict)
+            self.result.rounds += 1
+            self.result.accepted_tokens += len(verdict.accepted_nodes)
+            self._commit(verdict)
+            if self.finish is FinishReason.NOT_FINISHED:
+                await self._answer(stream, follower)
+
+    async def _answer(self, stream: DecodeStream, follower: "DraftFollower") -> None:
+        if follower.continues(self.context):
+            tree, q = DraftTree((), ()), ()
+        else:
+            tree, q, _ = self._next_tree()
+            self.result.drafted_tokens += len(tree)
+        await stream.send(follower.sent(DraftRequest(0, len(self.context), tree, q)))
+
+    def _learn(self, tree: DraftTree | None, verdict: Verdict) -> None:
+        """What a paced Verdict teaches: `tree` is the edge's draft it verified, re-rooted at
+        its base (None: it verified none of the edge's nodes). The link does not gate a paced
+        forward, so the budget weighs trees by their verify time alone."""
+        if tree is None:
+            return
+        self.drafter.observe(self.context, tree, verdict.accepted_nodes, verdict.tokens)
+        self.budget.observe(len(tree), verdict.accepted_nodes, verdict.verify_ms,
+                            verdict.verify_ms)
 
     @property
     def _sampled_drafts(self) -> bool:

@@ -1,0 +1,39 @@
+"""What one server-paced forward verifies: the client's freshest draft, re-rooted at the
+committed position, merged with the server's own candidates (docs/architecture.md, "Pacing").
+
+The client's nodes come first in the merged tree, so the Verdict can name the accepted ones by
+their index in the re-rooted draft. Under acceptance sampled-drafts a tree must carry the q its
+children were drawn from, and a merge of two drafters' draws has none: the client's draft is
+then verified alone, and the server's own drawn tree only when no client draft fits. Runs on
+the model thread; knows nothing of gRPC.
+"""
+from __future__ import annotations
+
+import time
+
+from cloud_server.server_decoding import ServerDecoder
+from cloud_server.session import Session
+from shared.acceptance import AcceptanceMode
+from shared.messages import DraftRequest, Verdict
+from shared.rerooting import reroot
+
+
+class PacedDecoder:
+    def __init__(self, session: Session, own: ServerDecoder):
+        self.session = session
+        self.own = own
+
+    def step(self, draft: DraftRequest | None, queued_at: float) -> Verdict:
+        start = time.perf_counter()
+        context = list(self.session.committed)
+        client = None if draft is None else reroot(draft.tree, draft.base_length, context, draft.q)
+        if client is None:
+            tree, q = self.own.propose(context)
+            verdict = self.session.advance(tree, q, queued_at)
+            self.own.learn(context, tree, verdict, start)
+            return verdict
+        tree, q = client.tree, client.q
+        if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
+            own, _ = self.own.propose(context)
+            tree = tree.merged(own, self.session.limits.max_tree_nodes)
+        return self.session.advance(tree, q, queued_at, draft.round_id, len(client.tree))

@@ -1,0 +1,171 @@
+"""Server-paced Decode sessions: forward after forward, the client's drafts joining when they
+arrive (docs/architecture.md, "Pacing").
+
+Lock-step rounds pay a round trip per forward, so tokens/s is bounded by tau / (RTT + T_verify).
+Here the server does not wait for the link: each forward verifies the freshest client draft,
+re-rooted at the committed position (shared/rerooting.py), merged with the server's own
+candidates, and streams a Verdict. Pace AUTO waits for a draft in flight only while the wait is
+expected to pay (`AutoPace`). Flow control keeps the server at most `lead` tokens past what the
+client has acknowledged. Runs on the event loop; knows nothing of gRPC or of the model: the
+service hands it a forward and a send.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from shared.errors import OutOfOrder
+from shared.messages import DraftRequest, Pace, Verdict
+
+
+
+@dataclass(frozen=True)
+class PacingPolicy:
+    """The server's side of pacing: what a session gets when its Open leaves pace or lead
+    unset, the most lead it may ask for, and the drafter the server runs for its own
+    candidates (None: a forward without client candidates is a plain decoding step)."""
+
+    pace: Pace = Pace.LOCKSTEP
+    lead: int = 32
+    max_lead: int = 256
+    drafter: str | None = "pld"
+
+    def resolve(self, pace: Pace | None, lead: int) -> tuple[Pace, int]:
+        return pace or self.pace, min(lead or self.lead, self.max_lead)
+
+
+class Inbox:
+    """The freshest client draft and the longest committed length the client acknowledged,
+    filled by the stream's reader as messages arrive."""
+
+    def __init__(self, acked: int):
+        self.draft: DraftRequest | None = None
+        self.acked = acked
+        self.acked_at = time.monotonic()
+        self.closed = False  # the client closed its side, or the stream ended
+        self._last_id = 0
+        self._changed = asyncio.Event()
+
+    def put(self, draft: DraftRequest, committed: int) -> None:
+        if draft.round_id <= self._last_id:
+            raise OutOfOrder(f"draft {draft.round_id} after draft {self._last_id}: ids must grow")
+        if draft.base_length > committed:
+            raise OutOfOrder(f"draft continues {draft.base_length} tokens, but {committed} are "
+                             "committed")
+        self._last_id = draft.round_id
+        if draft.base_length > self.acked:
+            self.acked, self.acked_at = draft.base_length, time.monotonic()
+        if len(draft.tree):
+            self.draft = draft
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def used(self, draft_id: int) -> None:
+        """A forward verified that draft: what it did not accept can never continue the text."""
+        if self.draft is not None and self.draft.round_id == draft_id:
+            self.draft = None
+
+    async def wait(self, ready: Callable[[], bool], timeout_s: float | None) -> bool:
+        """Waits until `ready()` or the stream closes, at most `timeout_s`; returns ready()."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not ready() and not self.closed:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                break
+        return ready()
+
+    def _wake(self) -> None:
+        self._changed.set()
+
+
+def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class AutoPace:
+    """When to wait for the client's answer to the latest Verdict before the next forward.
+
+    A forward with a fresh client draft commits `gain_client` tokens on average, one without
+    `gain_server`. Waiting w for the draft pays when gain_client / (w + T) > gain_server / T,
+    i.e. w < T (gain_client / gain_server - 1), with T the step time. All four are measured
+    per session; the priors make the first forwards wait about one step for the first draft.
+    """
+
+    step_s: float | None = None
+    reply_s: float | None = None  # Verdict sent -> the client's answer to it arrives
+    gain_client: float = 2.0
+    gain_server: float = 1.2
+    _sent_at: dict[int, float] = field(default_factory=dict)
+
+    def allowance_s(self) -> float:
+        step = self.step_s or 0.03
+        return min(4 * step, step * max(0.0, self.gain_client / self.gain_server - 1))
+
+    def wait_s(self, committed: int, now: float) -> float:
+        """How long to wait now for the answer to the Verdict that made `committed`."""
+        allowance = self.allowance_s()
+        sent = self._sent_at.get(committed)
+        if sent is None or self.reply_s is None:
+            return allowance
+        expected = max(0.0, sent + self.reply_s - now)
+        return min(allowance, expected + allowance / 4) if expected <= allowance else 0.0
+
+    def sent(self, committed: int, now: float) -> None:
+        self._sent_at[committed] = now
+
+    def answered(self, acked: int, at: float) -> None:
+        """The client has acknowledged length `acked` (received at `at`): measures its reply
+        time to that Verdict and forgets the older ones."""
+        sent = self._sent_at.get(acked)
+        if sent is not None:
+            self.reply_s = _ema(self.reply_s, at - sent)
+        self._sent_at = {n: t for n, t in self._sent_at.items() if n > acked}
+
+    def forwarded(self, tokens: int, fresh: bool, step_s: float) -> None:
+        self.step_s = _ema(self.step_s, step_s)
+        if fresh:
+            self.gain_client = _ema(self.gain_client, tokens)
+        else:
+            self.gain_server = max(1.0, _ema(self.gain_server, tokens))
+
+
+Forward = Callable[[DraftRequest | None, float], Awaitable[Verdict]]
+
+
+async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
+                    forward: Forward, send: Callable[[Verdict], Awaitable[None]], pace: Pace,
+                    lead: int) -> None:
+    """Runs forwards until the generation finishes or the client goes away. `forward(draft,
+    queued_at)` verifies a draft (None: the server's own candidates only) on the model."""
+    auto = AutoPace() if pace is Pace.AUTO else None
+    while not finished() and not inbox.closed:
+        if not await inbox.wait(lambda: committed() - inbox.acked < lead, None):
+            break
+
+        def fresh() -> bool:  # the client has answered the latest Verdict
+            return inbox.acked >= committed()
+
+        if auto is not None:
+            if not fresh():
+                await inbox.wait(fresh, auto.wait_s(committed(), time.monotonic()))
+            auto.answered(inbox.acked, inbox.acked_at)
+        was_fresh, start = fresh(), time.perf_counter()
+        verdict = await forward(inbox.draft, start)
+        inbox.used(verdict.draft_id)
+        if auto is not None:
+            auto.forwarded(len(verdict.tokens), was_fresh and verdict.draft_id > 0,
+                           time.perf_counter() - start)
+        await send(verdict)
+        if auto is not None:
+            auto.sent(verdict.committed_length, time.monotonic())

@@ -1,0 +1,46 @@
+"""Server-paced sessions (cloud_server/pacing.py) on the tiny target: the text is exactly plain
+greedy decoding whatever the pace, drafts join the server's forwards, and flow control holds."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cloud_server.reference import compare, plain_greedy
+from edge_client.client import ClientOptions, EdgeClient
+from shared.messages import FinishReason, OpenRequest, Pace
+from tests.test_split_decoding_tiny import MAX_NEW, PROMPTS
+
+
+def paced_outputs(address: str, drafter: str, pace: Pace, tree_nodes: int | None = None,
+                  lead: int = 0):
+    async def go():
+        options = ClientOptions(drafter, tree_nodes, MAX_NEW, pace=pace, lead=lead)
+        async with EdgeClient(address, options) as client:
+            return [await client.generate(options.open_request(prompt_ids=p)) for p in PROMPTS]
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("pace", [Pace.SERVER, Pace.AUTO])
+@pytest.mark.parametrize("drafter", ["pld", "aded"])
+def test_paced_greedy_equals_plain(tiny_server, tiny_target, pace, drafter):
+    results = paced_outputs(tiny_server.address, drafter, pace)
+    for prompt, result in zip(PROMPTS, results):
+        plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+        assert compare(tiny_target, prompt, result.output_ids, plain).lossless, (prompt, pace)
+        assert result.finish_reason in (FinishReason.LENGTH, FinishReason.STOP_TOKEN)
+        # Every forward streams a Verdict; the client's accepted nodes are among its tokens.
+        assert result.rounds + 1 <= len(result.output_ids) + 1
+        assert result.accepted_tokens <= len(result.output_ids)
+
+
+def test_client_drafts_join_the_forwards(tiny_server):
+    """With auto pace on loopback the client's answer comes well within a step: its drafts
+    are verified and accepted (the repeating prompt makes lookup drafts hit)."""
+    results = paced_outputs(tiny_server.address, "pld", Pace.AUTO)
+    assert sum(r.accepted_tokens for r in results) > 0
+
+
+def test_lockstep_is_the_rounds_of_old(tiny_server):
+    for r in paced_outputs(tiny_server.address, "pld", Pace.LOCKSTEP, tree_nodes=16):
+        assert r.rounds + r.accepted_tokens <= len(r.output_ids) <= 1 + r.rounds + r.accepted_tokens
