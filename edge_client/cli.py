@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import Iterator
 
 from edge_client.batch import BadInput, run_batch
-from edge_client.client import DEFAULT_DRAFTER, ClientOptions, EdgeClient
+from edge_client.client import DEFAULT_DRAFTER, DEFAULT_PACE, ClientOptions, EdgeClient
 from edge_client.display import TerminalView
 from edge_client.drafter_source import DRAFTER_NAMES
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
 from edge_client.offline import LinkPolicy, OfflinePolicy
+from edge_client.server_only import Mode
 from shared.acceptance import AcceptanceMode
-from shared.messages import ActivationFormat, ChatMessage
+from shared.messages import ActivationFormat, ChatMessage, Pace
 from shared.netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
 from shared.sampling import SamplingParams
 
@@ -66,8 +67,19 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reconnect-timeout", type=float, default=LinkPolicy.reconnect_timeout_s,
                    metavar="S", help="give up after S seconds without the server (default "
                                      "%(default)s; 0: fail at the first drop)")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SPLIT.value,
+                   help="'split' (default): draft here, verify on the server; the baselines "
+                        "through the same link: 'server-spec' (the server speculates with its "
+                        "own lookup drafter) and 'plain-api' (the server decodes token by token)")
+    p.add_argument("--pace", choices=[m.value for m in Pace], default=DEFAULT_PACE.value,
+                   help="split: 'auto' (default): the server runs forward after forward and "
+                        "waits for a draft in flight only while that pays; 'server': it never "
+                        "waits; 'lockstep': one forward per draft, the fewest forwards")
+    p.add_argument("--lead", type=positive, default=None, metavar="N",
+                   help="paced split: tokens the server may commit past what this client has "
+                        "received (default: the server's, 32)")
     p.add_argument("--no-pipeline", action="store_true",
-                   help="do not draft the next tree while a round is in flight")
+                   help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
                    help="draft nodes per round, or 'auto' (default): sized each round from the "
                         "server's measured verify cost and the drafter's measured acceptance")
@@ -147,7 +159,8 @@ async def ask(args: argparse.Namespace, options: ClientOptions, address: str) ->
         result = await client.generate(request, view)
         view.kept_unverified(result.unverified_ids)
     print(flush=True)
-    print(stats_line(result, client.options.drafter), file=sys.stderr)
+    label = client.options.drafter if options.mode is Mode.SPLIT else options.mode.value
+    print(stats_line(result, label), file=sys.stderr)
     return 0
 
 
@@ -171,7 +184,8 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         reconnect_timeout_s=args.reconnect_timeout,
                         pipeline=not args.no_pipeline)
     return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance,
-                         tuple(args.stop), policy, ActivationFormat[args.activations.upper()])
+                         tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
+                         Mode(args.mode), Pace(args.pace), args.lead or 0)
 
 
 def main(argv: list[str] | None = None) -> int:

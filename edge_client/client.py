@@ -11,6 +11,7 @@ from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_a
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
+from edge_client.server_only import Mode, server_generate
 from edge_client.tokenizer import load_tokenizer
 from shared.acceptance import AcceptanceMode
 from shared.messages import (
@@ -18,6 +19,9 @@ from shared.messages import (
 )
 from shared.sampling import SamplingParams
 
+# The CLI's pace: the server paces and the edge's drafts join (README, "Pacing"). Library
+# callers that leave ClientOptions.pace unset get the server's default (lockstep).
+DEFAULT_PACE = Pace.AUTO
 DEFAULT_DRAFTER = "auto"  # moa when the server offers it (README: it measured best), else pld
 
 
@@ -32,6 +36,7 @@ class ClientOptions:
     link_policy: LinkPolicy = LinkPolicy()
     # For a drafter fed by the server half (MoA): how its activations travel.
     activation_format: ActivationFormat = ActivationFormat.FP16
+    mode: Mode = Mode.SPLIT  # or a baseline the server runs alone (server_only.py)
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # paced sessions: tokens the server may run ahead; 0: the server's default
 
@@ -61,6 +66,8 @@ class EdgeClient:
             raise LinkError(f"server speaks protocol v{self.info.protocol_version}, "
                             f"this client v{PROTOCOL_VERSION}")
         self.tokenizer = await load_tokenizer(self.link, self.info)
+        if self.options.mode is not Mode.SPLIT:
+            return self  # the server drafts, if anyone does
         drafter = resolve_drafter(self.options.drafter, self.info)
         self.options = replace(self.options, drafter=drafter)
         self._drafters = await drafter_pool(drafter, self.link, self.info)
@@ -75,6 +82,8 @@ class EdgeClient:
 
     async def generate(self, request: OpenRequest,
                        listener: Listener | None = None) -> GenerationResult:
+        if self.options.mode is not Mode.SPLIT:
+            return await server_generate(self.link, request, self.options.mode, listener)
         limits = self.info.limits
         if self._drafters.needs_activations:
             request = replace(request, activations=self.options.activation_format)

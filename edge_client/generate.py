@@ -51,6 +51,7 @@ class GenerationResult:
     offline_tokens: int = 0  # drafted while the link was down
     corrected_tokens: int = 0  # offline tokens the target disagreed with, rewound
     unverified_ids: list[int] = field(default_factory=list)  # kept unverified (policy keep)
+    server_only: bool = False  # a baseline: one server-streaming call, no drafts (server_only.py)
 
     @property
     def tau(self) -> float:
@@ -59,7 +60,8 @@ class GenerationResult:
 
     @property
     def server_calls(self) -> int:
-        return self.rounds + 1 + self.reconnects
+        """Messages the edge sent: Open (one per stream) and one Draft per round."""
+        return 1 if self.server_only else self.rounds + 1 + self.reconnects
 
     @property
     def tokens_per_s(self) -> float:
