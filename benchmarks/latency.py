@@ -1,11 +1,11 @@
-"""Split decoding against what a user would run instead, over simulated links (issue 5).
+"""Split decoding against what a user would run instead, over simulated links.
 
 For each link profile (shared/netsim.py), in one run against one cloud-server process, every
 prompt in turn through: (a) a plain streaming API (the server decodes token by token and streams),
-(b) server-side speculative decoding with the same drafter on the server, (c) split decoding.
-Reports tokens/s, time to first token, p50/p95 inter-token latency, server calls and target
-forwards per generated token, wire bytes per token and, for split decoding, the link bound
-tau / (RTT + T_verify). Then a scripted outage on one profile: what it costs against the same
+(b) server-side speculative decoding with the server's lookup drafter, (c) split decoding at each
+pace (lockstep, server, auto). Reports tokens/s, time to first token, p50/p95 inter-token
+latency, server calls and target forwards per generated token, wire bytes per token, the share
+of tokens the edge drafted, and for lockstep the link bound tau / (RTT + T_verify). Then a scripted outage on one profile: what it costs against the same
 generation without it. Writes a table, raw records and two PNGs.
 
     python -m benchmarks.latency --per-set 1 --max-new-tokens 64
@@ -17,20 +17,21 @@ import asyncio
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from benchmarks import prompts
 from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import SilentListener
-from edge_client.link import GRPC_FRAME_BYTES, ServerLink
-from shared import wire
-from shared.messages import ChatMessage, GenerateRequest, OpenRequest, Verdict
+from edge_client.generate import GenerationResult, SilentListener
+from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
+from shared.messages import ChatMessage, OpenRequest, Pace
 from shared.netsim import PROFILES, NetworkConditions, Outage, OutageMode, ProxyThread
 
-METHODS = ("plain-api", "server-spec", "split")
+SPLIT_PACES = {"split-lockstep": Pace.LOCKSTEP, "split-server": Pace.SERVER,
+               "split-auto": Pace.AUTO}
+METHODS = ("plain-api", "server-spec", *SPLIT_PACES)
 
 
 def parse_args() -> argparse.Namespace:
@@ -40,8 +41,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--profiles", default=",".join(PROFILES))
     p.add_argument("--drafter", default="pld", help="the split client's drafter")
-    p.add_argument("--server-drafter", default="pld",
-                   help="server-spec's drafter (one the server runs itself: pld or aded)")
     p.add_argument("--outage-profile", default="4g")
     p.add_argument("--outage-s", type=float, default=3.0)
     p.add_argument("--name", default="latency", help="output file stem")
@@ -69,39 +68,25 @@ class Arrivals(SilentListener):
                 "itl_p95_ms": float(np.percentile(gaps, 95))}
 
 
-async def run_server_only(link: ServerLink, request: OpenRequest, drafter: str | None) -> dict:
-    generate = GenerateRequest(request, drafter)
-    arrivals, tokens, forwards, verify_ms = Arrivals(), [], 0, 0.0
-    wire_bytes = wire.generate_to_proto(generate).ByteSize() + GRPC_FRAME_BYTES
-    async for msg, size in link.generate(generate):
-        wire_bytes += size
-        if isinstance(msg, Verdict):
-            arrivals.committed(list(msg.tokens))
-            tokens += msg.tokens
-            forwards += msg.round_id > 0
-            verify_ms += msg.verify_ms
-    return {**arrivals.stats(), "output_ids": tokens, "forwards": forwards, "server_calls": 1,
-            "bytes": wire_bytes, "verify_ms": verify_ms}
-
-
-async def run_split(client: EdgeClient, request: OpenRequest) -> dict:
-    arrivals = Arrivals()
-    r = await client.generate(request, arrivals)
+def record(r: GenerationResult, arrivals: Arrivals) -> dict:
     return {**arrivals.stats(), "output_ids": r.output_ids, "forwards": r.rounds,
             "server_calls": r.server_calls, "bytes": r.bytes_up + r.bytes_down,
             "verify_ms": 1000 * r.verify_s, "rounds": r.rounds,
+            "accepted_tokens": r.accepted_tokens,
             "hidden_draft_ms": 1000 * r.hidden_draft_s, "draft_ms": 1000 * r.draft_s,
             "speculations": r.speculations, "speculation_hits": r.speculation_hits,
             "reconnects": r.reconnects, "outage_s": r.outage_s,
             "offline_tokens": r.offline_tokens, "corrected_tokens": r.corrected_tokens}
 
 
-async def run_method(client: EdgeClient, method: str, request: OpenRequest,
-                     server_drafter: str) -> dict:
-    if method == "split":
-        return await run_split(client, request)
-    return await run_server_only(client.link, request,
-                                 server_drafter if method == "server-spec" else None)
+async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> dict:
+    """One generation through the product's own client: split at a pace, or a baseline."""
+    arrivals = Arrivals()
+    if method in SPLIT_PACES:
+        r = await client.generate(replace(request, pace=SPLIT_PACES[method]), arrivals)
+    else:
+        r = await server_generate(client.link, request, Mode(method), arrivals)
+    return record(r, arrivals)
 
 
 async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
@@ -114,16 +99,16 @@ async def run_profile(address: str, profile: str, items: list[dict], args) -> li
             # apart, then smooth); one short run of each method first keeps that out.
             warm = OpenRequest(chat=(ChatMessage("user", items[0]["prompt"]),), max_new_tokens=4)
             for method in METHODS:
-                await run_method(client, method, warm, args.server_drafter)
+                await run_method(client, method, warm)
             for item in items:
                 request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                                       max_new_tokens=args.max_new_tokens)
                 for method in METHODS:
-                    record = await run_method(client, method, request, args.server_drafter)
+                    done = await run_method(client, method, request)
                     records.append({"profile": profile, "rtt_ms": conditions.rtt_ms,
-                                    "method": method, "id": item["id"], **record})
-                    log(f"  {profile:>9} {method:>11} {item['id']:<20} "
-                        f"{len(record['output_ids']) / record['wall_s']:6.1f} tok/s")
+                                    "method": method, "id": item["id"], **done})
+                    log(f"  {profile:>9} {method:>14} {item['id']:<20} "
+                        f"{len(done['output_ids']) / done['wall_s']:6.1f} tok/s")
     return records
 
 
@@ -145,12 +130,13 @@ def summarize(records: list[dict]) -> list[dict]:
                    "calls_per_token": sum(r["server_calls"] for r in group) / tokens,
                    "forwards_per_token": sum(r["forwards"] for r in group) / tokens,
                    "bytes_per_token": sum(r["bytes"] for r in group) / tokens,
-                   "link_bound": None, "identical": _identical(records, profile, method)}
-            if method == "split":
+                   "link_bound": None, "identical": _identical(records, profile, method),
+                   "client_share": (sum(r["accepted_tokens"] for r in group) / tokens
+                                    if method in SPLIT_PACES else None)}
+            if method == "split-lockstep":
                 rounds = sum(r["rounds"] for r in group)
                 tau = (tokens - len(group)) / rounds
                 verify_s = sum(r["verify_ms"] for r in group) / rounds / 1000
-                row["tau"] = tau
                 row["link_bound"] = tau / (group[0]["rtt_ms"] / 1000 + verify_s)
             rows.append(row)
     return rows
@@ -179,7 +165,7 @@ async def outage_cost(address: str, item: dict, args, mode: OutageMode) -> dict:
         with ProxyThread(address, conditions) as proxy:
             async with EdgeClient(proxy.address, ClientOptions(args.drafter, None,
                                                                args.max_new_tokens)) as client:
-                runs[label] = await run_split(client, request)
+                runs[label] = await run_method(client, "split-auto", request)
     clean, hit = runs["clean"], runs["outage"]
     round_s = clean["wall_s"] / max(1, clean["rounds"])
     return {"mode": mode.value, "outage_s": args.outage_s, "clean_s": clean["wall_s"],
@@ -196,12 +182,14 @@ def render(rows: list[dict]) -> str:
              fmt(r["itl_p50_ms"], ".0f"), fmt(r["itl_p95_ms"], ".0f"),
              fmt(r["calls_per_token"], ".3f"), fmt(r["forwards_per_token"], ".2f"),
              fmt(r["bytes_per_token"], ".0f"),
+             "-" if r["client_share"] is None else f"{r['client_share']:.0%}",
              fmt(r["link_bound"], ".1f") if r["link_bound"] is None
              else f"{r['link_bound']:.1f} ({r['tokens_per_s'] / r['link_bound']:.0%})",
              r["identical"]) for r in rows]
     return markdown_table(("link", "RTT ms", "method", "tok/s", "vs plain API", "TTFT ms",
                            "ITL p50 ms", "ITL p95 ms", "calls/token", "target fwd/token",
-                           "bytes/token", "link bound tok/s (reached)", "same text"), body)
+                           "bytes/token", "client-drafted", "lockstep link bound tok/s "
+                           "(reached)", "same text"), body)
 
 
 def render_outages(rows: list[dict], profile: str) -> str:
@@ -223,9 +211,9 @@ def plot(rows: list[dict], path) -> None:
         mine = [r for r in rows if r["method"] == method]
         speed.plot([r["rtt_ms"] for r in mine], [r["tokens_per_s"] for r in mine], "o-",
                    label=method)
-    split = [r for r in rows if r["method"] == "split"]
+    split = [r for r in rows if r["method"] == "split-lockstep"]
     speed.plot([r["rtt_ms"] for r in split], [r["link_bound"] for r in split], "k:",
-               label="split link bound tau/(RTT+T_verify)")
+               label="lockstep link bound tau/(RTT+T_verify)")
     speed.set_xscale("symlog", linthresh=10)
     speed.set_xlabel("round-trip time, ms (netsim profiles)")
     speed.set_ylabel("generated tokens/s")
@@ -233,7 +221,9 @@ def plot(rows: list[dict], path) -> None:
     speed.set_title("Tokens/s vs link RTT")
     per_method = {m: np.mean([r["forwards_per_token"] for r in rows if r["method"] == m])
                   for m in METHODS}
-    work.bar(list(per_method), list(per_method.values()), color=["C0", "C1", "C2"])
+    work.bar(list(per_method), list(per_method.values()),
+             color=[f"C{i}" for i in range(len(per_method))])
+    work.tick_params(axis="x", labelrotation=20)
     work.set_ylabel("target forward passes per generated token")
     work.set_title("Server work per token")
     fig.suptitle("SmolLM2-135M-Instruct, CPU server on loopback behind netsim")
@@ -254,7 +244,7 @@ def main() -> None:
     rows = summarize(records)
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
               f"new tokens max, split drafter {args.drafter}, server-spec drafter "
-              f"{args.server_drafter}; {machine()}\n\n")
+              f"{SERVER_DRAFTER}; {machine()}\n\n")
     text = (header + render(rows) + "\n\n" + render_outages(outages, args.outage_profile) + "\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
