@@ -20,6 +20,7 @@ from edge_client.drafters.moa import sampled_tree
 from edge_client.drafters.trie import TokenTrie
 from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest
+from shared.rerooting import reroot
 from shared.sampling import SamplingParams, race_noise, race_winner, warp
 from shared.tree import ROOT, DraftTree
 
@@ -397,3 +398,45 @@ def test_drafters_sampled_trees_follow_target(max_nodes, build):
 def test_sampled_trees_sent_with_a_wrong_q_miss_target(build):
     flat = lambda qs: tuple(NodeQ(q.node, q.tokens, (1.0,) * len(q.tokens)) for q in qs)  # noqa: E731
     assert_misses_target(decode_pairs_sampled(3, flat, TEETH_TRIALS, build))
+
+
+def paced(client: Callable[[tuple[int, ...]], DraftTree],
+          server: Callable[[tuple[int, ...]], DraftTree] | None
+          ) -> Callable[[tuple[int, ...]], DraftTree]:
+    """What a server-paced forward verifies (cloud_server/paced_decoder.py): the client's draft
+    made one token back, re-rooted at the text (shared/rerooting.py), merged with the server's
+    own tree when there is one (never under sampled-drafts)."""
+    def propose(text: tuple[int, ...]) -> DraftTree:
+        base = text[:-1]
+        rerooted = reroot(client(base), len(base), text)
+        own = DraftTree((), ()) if server is None else server(text)
+        if rerooted is None:
+            return own
+        return rerooted.tree if server is None else rerooted.tree.merged(own, 64)
+    return propose
+
+
+def deep(q: ToyLM, pick: Picker, seed: int) -> Callable[[tuple[int, ...]], DraftTree]:
+    """Three-level trees: after re-rooting one token down, two levels remain."""
+    rng = np.random.default_rng(seed)
+    return lambda text: grow(q, pick, text, rng, max_depth=3)
+
+
+def test_paced_forwards_mixing_client_and_server_candidates_follow_target():
+    propose = paced(deep(Q, pick_top, 40), drafter(Q_FAR, pick_top, 41))
+    assert_follows_target(decode_pairs(topk_rule(np.random.default_rng(42)), propose))
+
+
+def test_paced_forwards_with_rerooted_sampled_drafts_follow_target():
+    propose = paced(deep(Q, pick_without_replacement, 43), None)
+    rule = sampled_rule(Q, np.random.default_rng(44), without_replacement=True)
+    assert_follows_target(decode_pairs(rule, propose))
+
+
+def test_a_stale_sampled_draft_verified_without_rerooting_misses_target():
+    """Teeth: a draft drawn one token back, verified as if drawn at the text (q of full
+    support, so the rule cannot refuse a token instead)."""
+    q = ToyLM(seed=2, blend=P)
+    stale = deep(q, pick_without_replacement, 45)
+    rule = sampled_rule(q, np.random.default_rng(46), without_replacement=True)
+    assert_misses_target(decode_pairs(rule, lambda text: stale(text[:-1])))

@@ -1,0 +1,120 @@
+"""Server pacing (cloud_server/pacing.py): the inbox of client drafts, the auto pace's waiting
+rule, and flow control and bad drafts over the wire on the tiny server."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import threading
+
+import grpc
+import pytest
+
+from cloud_server.pacing import AutoPace, Inbox, PacingPolicy
+from shared.errors import OutOfOrder
+from shared.messages import DraftRequest, Pace
+from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
+from shared.tree import DraftTree
+from tests.test_server_errors import BASE, CLOSE, draft_msg, open_msg, run_stream
+
+TREE = DraftTree((7,), (-1,))
+
+
+def test_inbox_keeps_the_freshest_draft_and_the_longest_acknowledgement():
+    inbox = Inbox(acked=4)
+    inbox.put(DraftRequest(1, 5, TREE), committed=6)
+    inbox.put(DraftRequest(3, 6, DraftTree((), ())), committed=6)  # an acknowledgement only
+    assert inbox.draft.round_id == 1 and inbox.acked == 6
+    inbox.used(1)
+    assert inbox.draft is None
+
+
+@pytest.mark.parametrize("draft, words", [
+    (DraftRequest(1, 5, TREE), "ids must grow"),
+    (DraftRequest(9, 7, TREE), "7 tokens, but 6 are committed"),
+])
+def test_inbox_refuses_drafts_out_of_order(draft, words):
+    inbox = Inbox(acked=4)
+    inbox.put(DraftRequest(1, 5, TREE), committed=6)
+    with pytest.raises(OutOfOrder, match=words):
+        inbox.put(draft, committed=6)
+
+
+def test_inbox_wait_wakes_on_a_draft_and_times_out_without_one():
+    async def go():
+        inbox = Inbox(acked=4)
+        asyncio.get_running_loop().call_later(0.01, inbox.put, DraftRequest(1, 6, TREE), 6)
+        woke = await inbox.wait(lambda: inbox.acked >= 6, 5.0)
+        timed_out = await inbox.wait(lambda: inbox.acked >= 7, 0.01)
+        return woke, timed_out
+    assert asyncio.run(go()) == (True, False)
+
+
+def test_auto_waits_for_a_reply_due_within_the_allowance_only():
+    auto = AutoPace(step_s=0.03, reply_s=0.01, gain_client=2.4, gain_server=1.2)
+    assert auto.allowance_s() == pytest.approx(0.03)
+    auto.sent(10, now=0.0)
+    assert 0.01 <= auto.wait_s(10, now=0.0) <= 0.03  # due in 10 ms: worth waiting for
+    auto.reply_s = 0.1  # due in 100 ms: the server goes on with its own candidates
+    assert auto.wait_s(10, now=0.0) == 0.0
+
+
+def test_auto_learns_what_fresh_drafts_are_worth():
+    auto = AutoPace()
+    for _ in range(30):
+        auto.forwarded(tokens=1, fresh=True, step_s=0.03)  # drafts that never pay
+    assert auto.allowance_s() == 0.0
+    auto.sent(12, now=1.0)
+    auto.answered(12, at=1.05)
+    assert auto.reply_s == pytest.approx(0.05)
+
+
+def test_policy_caps_the_lead_and_fills_defaults():
+    policy = PacingPolicy(pace=Pace.LOCKSTEP, lead=32, max_lead=64)
+    assert policy.resolve(None, 0) == (Pace.LOCKSTEP, 32)
+    assert policy.resolve(Pace.SERVER, 1000) == (Pace.SERVER, 64)
+
+
+def test_server_runs_at_most_lead_tokens_past_the_acknowledgement(tiny_server):
+    """A client that never answers gets `lead` tokens past what it acknowledged (one forward
+    may overshoot by its accepted drafts), then nothing until it acknowledges more."""
+    lead = 5
+    sent: queue.Queue = queue.Queue()
+    got: queue.Queue = queue.Queue()
+    sent.put(open_msg(pace=pb.PACE_SERVER, lead=lead, max_new_tokens=40))
+    with grpc.insecure_channel(tiny_server.address) as channel:
+        call = pb_grpc.SplitDecodingStub(channel).Decode(iter(sent.get, None), timeout=20)
+        reader = threading.Thread(target=_drain, args=(call, got), daemon=True)
+        reader.start()
+        opened = got.get(timeout=10).opened
+        assert (opened.pace, opened.lead) == (pb.PACE_SERVER, lead)
+        committed = _last_length(got)
+        assert BASE + lead <= committed <= BASE + lead + 8
+        sent.put(draft_msg(1, committed, (), ()))  # acknowledges all of it
+        assert got.get(timeout=10).verdict.committed_length > committed
+        call.cancel()
+        reader.join(5)
+
+
+def _drain(call, got: queue.Queue) -> None:
+    with contextlib.suppress(grpc.RpcError):  # cancelled at the end of the test
+        for reply in call:
+            got.put(reply)
+
+
+def _last_length(got: queue.Queue) -> int:
+    """The committed length of the last Verdict before the stream goes quiet for 0.5 s."""
+    length = 0
+    while True:
+        try:
+            length = got.get(timeout=0.5).verdict.committed_length
+        except queue.Empty:
+            return length
+
+
+def test_paced_drafts_are_checked_like_lockstep_ones(tiny_server):
+    _, err = run_stream(tiny_server.address, [open_msg(pace=pb.PACE_SERVER),
+                                              draft_msg(tokens=(100000,)), CLOSE])
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside" in err.details()
