@@ -14,7 +14,7 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import LinkConfig
 from edge_client.offline import LinkPolicy, OfflinePolicy
-from shared.messages import Limits, OpenRequest
+from shared.messages import Limits, OpenRequest, Pace
 from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from tests.server_harness import ServerThread
 
@@ -25,19 +25,20 @@ LINK = LinkConfig(connect_timeout_s=3.0, resume_timeout_s=1.5, round_timeout_s=1
 POLICY = LinkPolicy(reconnect_timeout_s=20.0, offline_limit=24, backoff_max_s=0.5)
 
 
-def options(policy: LinkPolicy = POLICY) -> ClientOptions:
+def options(policy: LinkPolicy = POLICY, pace: Pace = Pace.LOCKSTEP) -> ClientOptions:
     # One-node trees: ~MAX_NEW rounds of 2 x 15 ms make a generation last ~1.5 s, long enough
-    # for an outage to land mid-way however well the drafter guesses.
-    return ClientOptions("pld", 1, MAX_NEW, link_policy=policy)
+    # for an outage to land mid-way however well the drafter guesses. A paced server may run
+    # 2 tokens past what the client acknowledged, which paces it by the link much the same.
+    return ClientOptions("pld", 1, MAX_NEW, link_policy=policy, pace=pace, lead=2)
 
 
 async def generate_with_outages(address: str, proxy: ProxyThread,
                                 outages: list[tuple[float, float]],
-                                policy: LinkPolicy = POLICY):
+                                policy: LinkPolicy = POLICY, pace: Pace = Pace.LOCKSTEP):
     """Generates while outages (start after the request is sent, duration) hit the link."""
-    async with EdgeClient(address, options(policy), LINK) as client:
+    async with EdgeClient(address, options(policy, pace), LINK) as client:
         task = asyncio.create_task(client.generate(
-            OpenRequest(prompt_ids=PROMPT, max_new_tokens=MAX_NEW)))
+            client.options.open_request(prompt_ids=PROMPT)))
         began = asyncio.get_running_loop().time()
         for start, duration in outages:
             await asyncio.sleep(max(0.0, began + start - asyncio.get_running_loop().time()))
@@ -58,16 +59,17 @@ def slow_link(mode: OutageMode) -> NetworkConditions:
     return NetworkConditions.symmetric(LinkProfile(delay_ms=15), outage_mode=mode)
 
 
+@pytest.mark.parametrize("pace", [Pace.LOCKSTEP, Pace.AUTO])
 @pytest.mark.parametrize("mode", [OutageMode.CUT, OutageMode.BLACKHOLE])
 @pytest.mark.parametrize("moment", ["prefill", "mid-round", "during resume"])
-def test_outage_loses_nothing(isolated_server, tiny_target, mode, moment):
+def test_outage_loses_nothing(isolated_server, tiny_target, mode, moment, pace):
     duration = 0.8 if mode is OutageMode.CUT else 2.5  # a black hole shows only by keepalive
     rng = random.Random(f"{mode}/{moment}")
     outages = {"prefill": [(0.0, duration)],
                "mid-round": [(rng.uniform(0.1, 0.5), duration)],
                "during resume": [(0.2, duration), (0.2 + duration + 0.05, duration)]}[moment]
     with ProxyThread(isolated_server.address, slow_link(mode)) as proxy:
-        result = asyncio.run(generate_with_outages(proxy.address, proxy, outages))
+        result = asyncio.run(generate_with_outages(proxy.address, proxy, outages, pace=pace))
     assert_lossless(tiny_target, result)
     assert result.reconnects >= 1 or moment == "prefill"
 
@@ -122,7 +124,7 @@ def test_server_restart_rebuilds_the_session_from_history(tiny_target):
         with ProxyThread(first.address, slow_link(OutageMode.CUT)) as proxy:
             async with EdgeClient(proxy.address, options(), LINK) as client:
                 task = asyncio.create_task(client.generate(
-                    OpenRequest(prompt_ids=PROMPT, max_new_tokens=MAX_NEW)))
+                    client.options.open_request(prompt_ids=PROMPT)))
                 await asyncio.sleep(0.5)
                 await asyncio.to_thread(first.__exit__, None, None, None)
                 await asyncio.sleep(0.5)
@@ -141,6 +143,7 @@ def test_random_outages_over_many_generations(isolated_server, tiny_target, seed
     rng = random.Random(seed)
     mode = rng.choice(list(OutageMode))
     outages = sorted((rng.uniform(0.0, 1.5), rng.uniform(0.2, 0.6)) for _ in range(3))
+    pace = Pace.AUTO if seed % 2 else Pace.LOCKSTEP
     with ProxyThread(isolated_server.address, slow_link(mode)) as proxy:
-        result = asyncio.run(generate_with_outages(proxy.address, proxy, outages))
+        result = asyncio.run(generate_with_outages(proxy.address, proxy, outages, pace=pace))
     assert_lossless(tiny_target, result)
