@@ -58,7 +58,14 @@ class StreamBroken(Exception):
     """The client's stream died under a write: nobody is left to tell."""
 
 
-async def _send(context, msg: ServerMessage) -> None:
+async def _send_parts(context, msg: ServerMessage, max_bytes: int) -> None:
+    """Writes `msg`; a Verdict whose activations pass `max_bytes` goes in parts."""
+    parts = wire.verdict_parts(msg, max_bytes) if isinstance(msg, Verdict) else [msg]
+    for part in parts:
+        await _write(context, part)
+
+
+async def _write(context, msg: ServerMessage) -> None:
     try:
         await context.write(wire.server_to_proto(msg))
     except asyncio.CancelledError:
@@ -138,8 +145,9 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         if found is None:
             raise NotFound(f"no artifact named {request.name!r}")
         info, data = found
-        for offset in range(0, len(data), CHUNK_BYTES):
-            yield pb.ArtifactChunk(data=data[offset: offset + CHUNK_BYTES], offset=offset,
+        chunk = min(CHUNK_BYTES, self.limits.max_message_bytes // 2)
+        for offset in range(0, len(data), chunk):
+            yield pb.ArtifactChunk(data=data[offset: offset + chunk], offset=offset,
                                    total_size=len(data), sha256=info.sha256)
 
     @_grpc_status
@@ -154,8 +162,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         try:
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
                      else await self._on_model(session.prefill))
-            await _send(context, session.opened(resumed))
-            await _send(context, first)
+            await self._send(context, session.opened(resumed))
+            await self._send(context, first)
             serve = self._serve_rounds if session.pace is Pace.LOCKSTEP else self._serve_paced
             ended = await serve(session, context, owner)
         except SplitDecodingError:
@@ -205,8 +213,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                 break
             if isinstance(msg, OpenRequest):
                 raise OutOfOrder("a session is already open on this stream")
-            await _send(context, await self._verify(session, msg))
-        await _send(context, session.done())
+            await self._send(context, await self._verify(session, msg))
+        await self._send(context, session.done())
         if await self._read(context) is not None:
             raise OutOfOrder(f"session {session.id} is closed")
         return True
@@ -222,10 +230,11 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             await run_paced(lambda: len(session.committed), lambda: session.finished, inbox,
                             lambda draft, queued_at: self._on_model(decoder.step, draft,
                                                                     queued_at),
-                            lambda verdict: _send(context, verdict), session.pace, session.lead)
+                            lambda verdict: self._send(context, verdict), session.pace,
+                            session.lead)
             if not session.finished and await reader is _Ended.GONE:
                 return False
-            await _send(context, session.done())
+            await self._send(context, session.done())
             await reader  # drafts still in flight are dropped until the client half-closes
             return True
         finally:
@@ -264,16 +273,20 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         session = await self._new_session(req.open, owner)
         try:
             decoder = ServerDecoder(session, req.drafter, req.tree_nodes, self.verify_costs)
-            await _send(context, session.opened())
-            await _send(context, await self._on_model(session.prefill))
+            await self._send(context, session.opened())
+            await self._send(context, await self._on_model(session.prefill))
             while not session.finished:
-                await _send(context, await self._on_model(decoder.step))
-            await _send(context, session.done())
+                await self._send(context, await self._on_model(decoder.step))
+            await self._send(context, session.done())
         finally:
             self.sessions.release(session, owner)
 
     async def _verify(self, session: Session, draft: DraftRequest) -> Verdict:
         return await self._on_model(session.verify, draft, time.perf_counter())
+
+    async def _send(self, context, msg: ServerMessage) -> None:
+        # Half the message limit for the activations leaves room for the rest of a Verdict.
+        await _send_parts(context, msg, self.limits.max_message_bytes // 2)
 
     async def _read(self, context):
         """The next client message as a domain object; None at the end of the stream."""

@@ -12,7 +12,9 @@ from typing import AsyncIterator
 import grpc
 
 from shared import keepalive, wire
-from shared.messages import ClientMessage, GenerateRequest, ServerInfo, ServerMessage
+from shared.messages import (
+    ClientMessage, GenerateRequest, ServerInfo, ServerMessage, Verdict,
+)
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 
@@ -163,7 +165,21 @@ class DecodeStream:
             raise await self._write_failed() from None
 
     async def recv(self, timeout_s: float | None = None) -> ServerMessage:
-        """The next message, within `timeout_s` (default: the round timeout)."""
+        """The next message, within `timeout_s` (default: the round timeout) a part; a Verdict
+        sent in parts (large activations) comes back joined."""
+        msg = await self._recv_one(timeout_s)
+        parts: list[Verdict] = []
+        while isinstance(msg, Verdict) and msg.more:
+            parts.append(msg)
+            msg = await self._recv_one(timeout_s)
+        if not parts:
+            return msg
+        if not isinstance(msg, Verdict):
+            raise LinkError(f"protocol error from {self._address}: a Verdict's parts end "
+                            f"with {type(msg).__name__}")
+        return wire.join_parts([*parts, msg])
+
+    async def _recv_one(self, timeout_s: float | None) -> ServerMessage:
         timeout_s = timeout_s or self._round_timeout_s
         try:
             raw = await asyncio.wait_for(self._call.read(), timeout_s)

@@ -163,6 +163,7 @@ class Verdict:
     # Paced sessions: the client draft whose nodes this forward verified (0: none);
     # accepted_nodes index it re-rooted at this Verdict's base (shared/rerooting.py).
     draft_id: int = 0
+    more: bool = False  # a part: the next Verdict continues its activations (wire.py)
 
     @property
     def base_length(self) -> int:

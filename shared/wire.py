@@ -1,6 +1,8 @@
 """The wire codec: protobuf messages <-> domain types. The one module that touches both."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from shared.acceptance import AcceptanceMode
@@ -168,13 +170,50 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
             committed_length=msg.committed_length, finish_reason=msg.finish_reason.value,
             timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms),
-            draft_id=msg.draft_id)
+            draft_id=msg.draft_id, more=msg.more)
         if msg.activations is not None:
             verdict.activations.CopyFrom(_activations_to_proto(msg.activations))
         return pb.ServerMessage(verdict=verdict)
     return pb.ServerMessage(done=pb.Done(
         finish_reason=msg.finish_reason.value, generated_tokens=msg.generated_tokens,
         rounds=msg.rounds))
+
+
+def verdict_parts(verdict: Verdict, max_bytes: int) -> list[Verdict]:
+    """`verdict` as messages of at most about `max_bytes` of activations each: the first parts
+    carry consecutive rows and no tokens (`more` set), the last the rest and everything else.
+    join_parts is the inverse."""
+    rows = verdict.activations
+    if rows is None:
+        return [verdict]
+    per_part = max(1, max_bytes // _row_bytes(rows))
+    n = len(rows.values)
+    if n <= per_part:
+        return [verdict]
+    cuts = list(range(0, n, per_part))
+    base = verdict.base_length
+    parts = [Verdict(verdict.round_id, (), (), base, queue_ms=verdict.queue_ms,
+                     activations=_slice(rows, a, a + per_part), more=True) for a in cuts[:-1]]
+    return [*parts, replace(verdict, activations=_slice(rows, cuts[-1], n))]
+
+
+def join_parts(parts: list[Verdict]) -> Verdict:
+    """One Verdict from its parts (the last has no `more`), activations concatenated."""
+    last = parts[-1]
+    if len(parts) == 1:
+        return last
+    values = np.concatenate([p.activations.values for p in parts])  # [rows, width]
+    first = parts[0].activations
+    return replace(last, activations=ActivationRows(first.start, values, first.format))
+
+
+def _row_bytes(rows: ActivationRows) -> int:
+    width = rows.values.shape[1]
+    return width + 2 if rows.format is ActivationFormat.INT8 else 2 * width
+
+
+def _slice(rows: ActivationRows, start: int, end: int) -> ActivationRows:
+    return ActivationRows(rows.start + start, rows.values[start:end], rows.format)
 
 
 def _activations_to_proto(rows: ActivationRows) -> pb.Activations:
@@ -226,7 +265,7 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,
                        FinishReason(v.finish_reason), v.timings.queue_ms, v.timings.verify_ms,
                        _activations_from_proto(v.activations) if v.HasField("activations")
-                       else None, v.draft_id)
+                       else None, v.draft_id, v.more)
     if kind == "done":
         d = msg.done
         return Done(FinishReason(d.finish_reason), d.generated_tokens, d.rounds)

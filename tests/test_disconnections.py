@@ -14,7 +14,7 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import LinkConfig
 from edge_client.offline import LinkPolicy, OfflinePolicy
-from shared.messages import Limits, OpenRequest, Pace
+from shared.messages import Limits, Pace
 from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from tests.server_harness import ServerThread
 

@@ -147,3 +147,19 @@ def test_auto_has_no_sampling_rule_until_resolved():
             prompt_ids=PROMPTS[0])
     moa = ClientOptions("moa", sampling=SamplingParams(temperature=0.8))
     assert moa.open_request(prompt_ids=PROMPTS[0]).acceptance is AcceptanceMode.TOPK_DRAFTS
+
+
+def test_activations_past_the_message_limit_arrive_in_parts(tiny_target, tiny_drafter_dir,
+                                                            tmp_path, monkeypatch):
+    """A prompt whose activations pass the server's message limit: the Verdict goes in parts,
+    the client joins them, and the drafter gets every row (greedy text still exact)."""
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
+                    max_message_bytes=4096)
+    prompt = tuple(range(40, 100))  # 60 rows of fp16 activations: several KiB
+    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+        width = server.service.info().activation_width
+        assert 60 * width * 2 > limits.max_message_bytes
+        result, = run(server.address, ClientOptions("moa", 8, MAX_NEW), prompts=[prompt])
+    plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+    assert compare(tiny_target, prompt, result.output_ids, plain).lossless

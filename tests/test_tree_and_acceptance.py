@@ -85,3 +85,20 @@ def test_merged_tree_is_the_union_of_paths_cut_to_size():
     assert DraftTree((), ()).merged(lookup, 2) == DraftTree((5, 6), (ROOT, 0))
     # a node whose parent did not fit is dropped with its subtree
     assert moa.merged(DraftTree((9, 4), (ROOT, 0)), max_nodes=3) == moa
+
+
+def test_verdict_parts_join_back_to_the_verdict():
+    import numpy as np
+
+    from shared import wire
+    from shared.messages import ActivationFormat, ActivationRows, Verdict
+
+    rows = ActivationRows(3, np.arange(40, dtype=np.float32).reshape(10, 4), ActivationFormat.FP16)
+    verdict = Verdict(2, (0,), (7, 8), 15, activations=rows, draft_id=4)
+    parts = wire.verdict_parts(verdict, max_bytes=3 * 8)  # 3 fp16 rows of width 4 a part
+    assert [len(p.activations.values) for p in parts] == [3, 3, 3, 1]
+    assert all(p.more and not p.tokens and p.committed_length == 13 for p in parts[:-1])
+    assert [p.activations.start for p in parts] == [3, 6, 9, 12]
+    joined = wire.join_parts(parts)
+    assert joined == verdict and np.array_equal(joined.activations.values, rows.values)
+    assert wire.verdict_parts(verdict, max_bytes=1 << 20) == [verdict]

@@ -301,7 +301,7 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations", "draft_id")
+    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations", "draft_id", "more")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class Verdict(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -318,7 +319,8 @@ class Verdict(_message.Message):
     timings: ServerTimings
     activations: Activations
     draft_id: int
-    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., draft_id: _Optional[int] = ...) -> None: ...
+    more: bool
+    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., draft_id: _Optional[int] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("finish_reason", "generated_tokens", "rounds")
