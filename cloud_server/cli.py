@@ -8,7 +8,9 @@ import argparse
 import asyncio
 import sys
 
-from shared.messages import Limits
+from cloud_server.pacing import PacingPolicy
+from edge_client.drafters import DRAFTERS
+from shared.messages import Limits, Pace
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -32,7 +34,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "if any), 'none', or a directory from `cloud-server train-drafter` "
                         "(its independent/ serves the Independent baseline, which needs no "
                         "activations)")
-    return p.parse_args(argv)
+    pacing = PacingPolicy()
+    p.add_argument("--pace", choices=[m.value for m in Pace], default=pacing.pace.value,
+                   help="pace for sessions whose client names none (edge-client sends its "
+                        "own, auto by default); default %(default)s")
+    p.add_argument("--lead", type=int, default=pacing.lead, metavar="N",
+                   help="paced sessions: tokens the server may run past what the client "
+                        "acknowledged when it names no lead (default %(default)s)")
+    p.add_argument("--max-lead", type=int, default=pacing.max_lead, metavar="N",
+                   help="the most lead a client may ask for (default %(default)s)")
+    p.add_argument("--own-drafter", choices=(*DRAFTERS, "none"), default=pacing.drafter,
+                   help="the drafter the server runs for its own candidates in paced "
+                        "sessions (default %(default)s)")
+    args = p.parse_args(argv)
+    if not 1 <= args.lead <= args.max_lead:
+        p.error(f"--lead must be between 1 and --max-lead ({args.max_lead})")
+    return args
+
+
+def pacing_from(args: argparse.Namespace) -> PacingPolicy:
+    return PacingPolicy(Pace(args.pace), args.lead, args.max_lead,
+                        None if args.own_drafter == "none" else args.own_drafter)
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -62,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         model_thread = ModelThread()
         target = model_thread.call(TargetModel.load, path, model_id, args.device,
                                    onednn=args.cpu_linear == "onednn")
-        service = build_service(target, limits_from(args), model_thread, drafter_dir)
+        service = build_service(target, limits_from(args), model_thread, drafter_dir,
+                                pacing_from(args))
         print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
         asyncio.run(serve(service, args.host, args.port))
     except (OSError, RuntimeError, ValueError) as err:

@@ -13,6 +13,7 @@ from cloud_server.artifacts import TOKENIZER_NAME, ArtifactStore
 from cloud_server.calibrate import measure_verify_costs
 from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
 from cloud_server.model_thread import ModelThread
+from cloud_server.pacing import PacingPolicy
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared import keepalive
@@ -32,7 +33,8 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
 
 
 def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread | None = None,
-                  drafter_dir: Path | None = None) -> SplitDecodingService:
+                  drafter_dir: Path | None = None, pacing: PacingPolicy = PacingPolicy()
+                  ) -> SplitDecodingService:
     """Measures the verify costs Info reports, loads the MoA drafter when there is one, then
     builds the service. `model_thread` should be the thread that loaded `target` (see
     model_thread.py)."""
@@ -48,7 +50,8 @@ def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread
         artifacts.add(BUNDLE_ARTIFACT, ArtifactKind.DRAFTER_BUNDLE, drafter.bundle)
         print(f"drafter bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
               f"{drafter.width}", file=sys.stderr, flush=True)
-    return SplitDecodingService(target, limits, artifacts, model_thread, costs, drafter)
+    return SplitDecodingService(target, limits, artifacts, model_thread, costs, drafter,
+                                pacing)
 
 
 async def start(service: SplitDecodingService, host: str, port: int
