@@ -1,6 +1,6 @@
 """Split decoding against what a user would run instead, over simulated links.
 
-For each link profile (shared/netsim.py), in one run against one cloud-server process, every
+For each link profile (netsim/), in one run against one cloud-server process, every
 prompt in turn through: (a) a plain streaming API (the server decodes token by token and streams),
 (b) server-side speculative decoding with the server's lookup drafter, (c) split decoding at each
 pace (lockstep, server, auto). Reports tokens/s, time to first token, p50/p95 inter-token
@@ -27,7 +27,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import GenerationResult, SilentListener
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from shared.messages import ChatMessage, OpenRequest, Pace
-from shared.netsim import PROFILES, NetworkConditions, Outage, OutageMode, ProxyThread
+from netsim import PROFILES, NetworkConditions, Outage, OutageMode, ProxyThread
 
 SPLIT_PACES = {"split-lockstep": Pace.LOCKSTEP, "split-server": Pace.SERVER,
                "split-auto": Pace.AUTO}

@@ -29,7 +29,7 @@ from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.server_only import Mode
 from shared.acceptance import AcceptanceMode
 from shared.messages import ActivationFormat, ChatMessage, Pace
-from shared.netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
+from netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
 from shared.sampling import SamplingParams
 
 EXIT_USAGE, EXIT_LINK = 2, 3
@@ -54,7 +54,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="verification rule; default: greedy, or when sampling the drafter's "
                         "measured best (topk-drafts for pld and aded)")
     p.add_argument("--network", type=network_conditions, default=None, metavar="SPEC",
-                   help="route through a simulated network (shared/netsim.py): "
+                   help="route through a simulated network (netsim/): "
                         + CONDITIONS_HELP)
     p.add_argument("--offline-policy", choices=[m.value for m in OfflinePolicy],
                    default=OfflinePolicy.DRAFT.value,

@@ -15,7 +15,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import LinkConfig
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from shared.messages import Limits, Pace
-from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from tests.server_harness import ServerThread
 
 

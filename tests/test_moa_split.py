@@ -13,7 +13,7 @@ from edge_client.drafters.moa_bundle import bundle_cache_dir
 from edge_client.link import LinkError
 from shared.acceptance import AcceptanceMode
 from shared.messages import ActivationFormat, ArtifactKind, FinishReason, Limits, OpenRequest
-from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from shared.sampling import SamplingParams
 from tests.server_harness import ServerThread
 

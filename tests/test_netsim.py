@@ -4,7 +4,7 @@ against servers on loopback.
 Timing checks are strict below and generous above: the proxy must never deliver early, but a
 loaded machine makes everything late. The bounds still fail a delay paid once instead of twice,
 twice instead of once, or in the wrong direction. Unloaded, the proxy is within ~1 ms of the
-model (the numbers are in the docstring of shared/netsim.py)."""
+model (the numbers are in the docstring of netsim/)."""
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +22,10 @@ from typing import Callable, Iterator
 
 import pytest
 
-from shared.netsim import (PROFILES, LinkProfile, NetworkConditions, Outage, OutageMode,
-                           ProxyThread, outage_windows, parse_address, parse_conditions)
+from netsim import (
+    PROFILES, LinkProfile, NetworkConditions, Outage, OutageMode, ProxyThread, parse_conditions,
+)
+from netsim.conditions import outage_windows, parse_address
 
 LOOPBACK = "127.0.0.1"
 RECORD = struct.Struct("!Id")  # index, monotonic send time
@@ -318,7 +320,7 @@ def test_an_unreachable_target_resets_the_client():
 # --- the CLI ----------------------------------------------------------------------------------
 
 def test_cli_prints_its_address_forwards_and_stops_on_sigterm(echo: str):
-    proc = subprocess.Popen([sys.executable, "-m", "shared.netsim_cli", "--target", echo,
+    proc = subprocess.Popen([sys.executable, "-m", "netsim.cli", "--target", echo,
                              "--profile", "lan"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -335,7 +337,7 @@ def test_cli_prints_its_address_forwards_and_stops_on_sigterm(echo: str):
 
 
 def test_cli_bad_arguments_exit_2_with_one_line(echo: str):
-    result = subprocess.run([sys.executable, "-m", "shared.netsim_cli", "--target", echo,
+    result = subprocess.run([sys.executable, "-m", "netsim.cli", "--target", echo,
                              "--profile", "6g"], capture_output=True, text=True, timeout=20)
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and "unknown network profile '6g'" in result.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
-from shared.messages import FinishReason, OpenRequest, Pace
+from shared.messages import FinishReason, Pace
 from tests.test_split_decoding_tiny import MAX_NEW, PROMPTS
 
 

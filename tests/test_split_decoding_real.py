@@ -82,7 +82,7 @@ class FirstTokens(SilentListener):
 def test_real_model_outage_mid_generation_loses_nothing(real_target, mode, outage_s):
     """An outage a moment after the answer starts: the edge drafts offline, resumes, has its
     offline text checked, and ends with exactly the plain greedy answer."""
-    from shared.netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+    from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 
     chat = (ChatMessage("user", sample_prompts()[2]),)
     conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=10),

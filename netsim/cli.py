@@ -1,5 +1,5 @@
 """`netsim`: a TCP proxy that puts delay, jitter, bandwidth limits and outages between an edge
-client and a cloud server (DESIGN section 6; the model is in shared/netsim.py).
+client and a cloud server (the model is in the package docstring, netsim/__init__.py).
 
     netsim --target 127.0.0.1:50051 --profile 4g
     netsim --listen 127.0.0.1:0 --target 127.0.0.1:50051 --profile delay=50,jitter=10,bw=20 \\
@@ -18,8 +18,9 @@ import sys
 from dataclasses import replace
 from typing import Callable, NoReturn, TypeVar
 
-from shared.netsim import (CONDITIONS_HELP, NetSimProxy, NetworkConditions, Outage,
-                           parse_address, parse_conditions, parse_outage, parse_outage_mode)
+from netsim.conditions import (CONDITIONS_HELP, NetworkConditions, Outage, parse_address,
+                               parse_conditions, parse_outage, parse_outage_mode)
+from netsim.proxy import NetSimProxy
 
 EXIT_USAGE = 2
 T = TypeVar("T")
@@ -34,7 +35,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _user_type(parse: Callable[[str], T]) -> Callable[[str], T]:
-    """Wraps a parser from shared.netsim so argparse shows its ValueError message."""
+    """Wraps a parser from netsim.conditions so argparse shows its ValueError message."""
     def convert(text: str) -> T:
         try:
             return parse(text)

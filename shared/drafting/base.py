@@ -1,0 +1,36 @@
+"""The drafter interface: propose a tree from the committed text, then learn from the verdict.
+
+Same two-method shape as transformers' candidate generators (get_candidates /
+update_candidate_strategy), DESIGN section 3.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from shared.acceptance import AcceptanceMode
+from shared.draft_q import NodeQ
+from shared.tree import DraftTree
+
+
+class Drafter(Protocol):
+    name: str
+    sampling_acceptance: AcceptanceMode  # the rule used when sampling and none was asked for
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        """Starts a new generation whose committed text is `prompt`."""
+
+    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        """A tree of at most `max_nodes` nodes continuing `context` (the committed ids).
+        May be empty when the drafter has nothing to offer."""
+
+    def propose_sampled(self, context: Sequence[int], max_nodes: int, rng: np.random.Generator
+                        ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+        """For acceptance sampled-drafts: a tree whose children were drawn from q without
+        replacement, and for every node with children the q they were drawn from."""
+
+    def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
+                tokens: tuple[int, ...]) -> None:
+        """Learns from a verdict: `context` is the committed ids before the round, `tokens` the
+        ids the round committed (accepted drafts then the target's own token)."""
