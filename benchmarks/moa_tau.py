@@ -24,7 +24,7 @@ import numpy as np
 
 from benchmarks import prompts as evaluation
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
-from edge_client.drafters.base import Drafter
+from shared.drafting.base import Drafter
 from shared.acceptance import accept_greedy
 from shared.messages import ChatMessage
 
@@ -173,7 +173,7 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
     """Builds each drafter asked for; the MoA bundles are exported once and cached."""
     from cloud_server.moa.activations import ServerActivations
     from cloud_server.moa.bundle import build_bundle
-    from edge_client.drafters import make_drafter
+    from shared.drafting import make_drafter
     from edge_client.drafters.moa import MoaDrafter
     from shared.cache import cache_root
 

@@ -9,7 +9,7 @@ import asyncio
 import sys
 
 from cloud_server.pacing import PacingPolicy
-from edge_client.drafters import DRAFTERS
+from shared.drafting import DRAFTERS
 from shared.messages import Limits, Pace
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 
 from cloud_server.session import Session
-from edge_client.budget import TreeBudget
-from edge_client.drafters import DRAFTERS, make_drafter
+from shared.drafting.budget import TreeBudget
+from shared.drafting import DRAFTERS, make_drafter
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest

@@ -6,7 +6,7 @@ from typing import Sequence
 
 from tokenizers import Tokenizer
 
-from edge_client.budget import TreeBudget
+from shared.drafting.budget import TreeBudget
 from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_acceptance
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink

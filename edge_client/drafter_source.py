@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 from typing import AsyncIterator, Callable
 
-from edge_client.drafters import DRAFTERS, make_drafter
-from edge_client.drafters.base import Drafter
+from shared.drafting import DRAFTERS, make_drafter
+from shared.drafting.base import Drafter
 from edge_client.drafters.moa import MoaDrafter  # onnxruntime loads only when one is built
 from edge_client.drafters.moa_bundle import bundle_cache_dir, find_bundle, install_bundle
 from edge_client.link import LinkError, ServerLink

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
-from edge_client.budget import TreeBudget
-from edge_client.drafters.base import Drafter
+from shared.drafting.budget import TreeBudget
+from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
 from edge_client.following import DraftFollower
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile

@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass
 from typing import Sequence
 
-from edge_client.drafters.base import Drafter
+from shared.drafting.base import Drafter
 
 OFFLINE_DRAFT_NODES = 16  # tree size asked of the drafter per offline step; only its best path is used
 

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from edge_client.drafters.base import Drafter
+from shared.drafting.base import Drafter
 from shared.tree import ROOT, DraftTree
 
 

@@ -17,7 +17,7 @@ import shared.acceptance as acceptance
 from shared.acceptance import (Acceptance, accept_exponential_race, accept_greedy,
                                accept_sampled_drafts, accept_topk_drafts)
 from edge_client.drafters.moa import sampled_tree
-from edge_client.drafters.trie import TokenTrie
+from shared.drafting.trie import TokenTrie
 from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest
 from shared.rerooting import reroot

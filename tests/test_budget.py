@@ -1,7 +1,7 @@
 """The tree budget follows the measured costs and the measured acceptance."""
 from __future__ import annotations
 
-from edge_client.budget import TreeBudget
+from shared.drafting.budget import TreeBudget
 
 CPU_COSTS = [(1, 33.0), (8, 37.0), (16, 43.0), (32, 57.0), (64, 90.0)]
 

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import pytest
 
-from edge_client.drafters import DRAFTERS, make_drafter
-from edge_client.drafters.base import Drafter
-from edge_client.drafters.trie import TokenTrie
+from shared.drafting import DRAFTERS, make_drafter
+from shared.drafting.base import Drafter
+from shared.drafting.trie import TokenTrie
 from shared.tree import ROOT, DraftTree
 
 VOCAB = 1000

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from cloud_server.session_table import SessionTable
-from edge_client.drafters.pld import PromptLookupDrafter
+from shared.drafting.pld import PromptLookupDrafter
 from edge_client.offline import Backoff, LinkPolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.errors import Overloaded

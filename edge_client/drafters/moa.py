@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from edge_client.drafters.moa_bundle import load_manifest
-from edge_client.drafters.pld import PromptLookupDrafter
-from edge_client.drafters.trie import SAMPLED_WIDTHS
+from shared.drafting.pld import PromptLookupDrafter
+from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
