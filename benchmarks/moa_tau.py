@@ -24,6 +24,7 @@ import numpy as np
 
 from benchmarks import prompts as evaluation
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
+from shared.drafter_bundle import Graph, Precision, StepIO
 from shared.drafting.base import Drafter
 from shared.acceptance import accept_greedy
 from shared.messages import ChatMessage
@@ -91,7 +92,7 @@ def plain_step_ms(target, repeat: int = 9) -> float:
     return statistics.median(samples)
 
 
-def edge_step_ms(bundle: Path, precision: str, queries: int, context: int = 300,
+def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int = 300,
                  repeat: int = 20) -> float:
     """One call of the edge's step graph: `queries` tree nodes after `context` committed
     tokens, all of them verified (one onnxruntime thread, as the drafter runs it)."""
@@ -100,19 +101,18 @@ def edge_step_ms(bundle: Path, precision: str, queries: int, context: int = 300,
     from edge_client.drafters.moa_bundle import load_manifest
 
     manifest = load_manifest(bundle)
-    c = manifest["config"]
+    c = manifest.config
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(bundle / manifest["graphs"][precision]["step"]), options)
+    session = ort.InferenceSession(str(bundle / manifest.graph(precision, Graph.STEP)), options)
     kv = np.zeros((c["kv_heads"], context, c["head_dim"]), dtype=np.float32)
-    feed = {"ids": np.arange(queries, dtype=np.int64) + 100,
-            "positions": np.full(queries, context, dtype=np.int64), "past_keys": kv,
-            "past_values": kv, "allowed": np.ones((queries, context + queries), dtype=bool),
-            "mem_keys": kv, "mem_values": kv}
+    inputs = (np.arange(queries, dtype=np.int64) + 100, np.full(queries, context, dtype=np.int64),
+              kv, kv, np.ones((queries, context + queries), dtype=bool), kv, kv)
+    feed = dict(zip(StepIO.INPUTS, inputs))
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
-        session.run(["top_logprobs", "top_ids", "keys", "values"], feed)
+        session.run(None, feed)
         samples.append(1000 * (time.perf_counter() - start))
     return statistics.median(samples)
 
@@ -138,7 +138,7 @@ def main() -> None:
     p.add_argument("--max-depth", type=int, default=8)
     p.add_argument("--lookup-nodes", type=int, default=16,
                    help="prompt-lookup nodes merged into moa+lookup trees")
-    p.add_argument("--precision", choices=("int8", "fp32"), default="int8",
+    p.add_argument("--precision", type=Precision, choices=list(Precision), default=Precision.INT8,
                    help="the edge graphs' weights")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
                    help="the activations' wire encoding, applied as a round trip")

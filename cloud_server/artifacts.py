@@ -3,9 +3,7 @@ from __future__ import annotations
 
 import hashlib
 
-from shared.messages import ArtifactInfo, ArtifactKind
-
-TOKENIZER_NAME = "tokenizer.json"
+from shared.messages import TOKENIZER_ARTIFACT, ArtifactInfo, ArtifactKind
 
 
 class ArtifactStore:
@@ -21,7 +19,7 @@ class ArtifactStore:
         return self._items.get(name)
 
     def tokenizer(self) -> ArtifactInfo:
-        return self._items[TOKENIZER_NAME][0]
+        return self._items[TOKENIZER_ARTIFACT][0]
 
     def listing(self) -> tuple[ArtifactInfo, ...]:
         return tuple(info for info, _ in self._items.values())

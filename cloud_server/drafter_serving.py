@@ -18,9 +18,10 @@ from cloud_server.moa.config import MoaConfig
 from cloud_server.moa.weights import CONFIG, WEIGHTS, committed_drafter
 from cloud_server.target import TargetModel
 from shared.cache import cache_root
+from shared.drafter_bundle import Precision
 
 BUNDLE_ARTIFACT = "drafter-moa"
-PRECISIONS = ("int8",)  # what the edge runs by default; fp32 would double the download
+PRECISIONS = (Precision.INT8,)  # what the edge runs by default; fp32 would double the download
 EXPORT_REVISION = 2  # raise when export.py changes what it writes: cached bundles are rebuilt
 
 
@@ -50,7 +51,7 @@ def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
     config = MoaConfig.load(drafter_dir / CONFIG)
     activations = (ServerActivations.load(drafter_dir, target.model)
                    if config.uses_activations else None)
-    key = f"{target.model_id}/{','.join(PRECISIONS)}/{EXPORT_REVISION}"
+    key = f"{target.model_id}/{','.join(p.value for p in PRECISIONS)}/{EXPORT_REVISION}"
     digest = hashlib.sha256(key.encode())
     for name in (WEIGHTS, CONFIG):
         digest.update((drafter_dir / name).read_bytes())

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cloud_server.artifacts import TOKENIZER_NAME, ArtifactStore
+from cloud_server.artifacts import ArtifactStore
 from cloud_server.calibrate import measure_verify_costs
 from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
 from cloud_server.model_thread import ModelThread
@@ -17,7 +17,7 @@ from cloud_server.pacing import PacingPolicy
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared import keepalive
-from shared.messages import ArtifactKind, Limits
+from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind, Limits
 from shared.pb.splitdec.v1 import splitdec_pb2, splitdec_pb2_grpc
 
 SERVICE_NAME = splitdec_pb2.DESCRIPTOR.services_by_name["SplitDecoding"].full_name
@@ -43,7 +43,7 @@ def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread
     print("verify cost: " + ", ".join(f"{n} nodes {ms:.0f} ms" for n, ms in costs),
           file=sys.stderr, flush=True)
     artifacts = ArtifactStore()
-    artifacts.add(TOKENIZER_NAME, ArtifactKind.TOKENIZER, target.tokenizer_json())
+    artifacts.add(TOKENIZER_ARTIFACT, ArtifactKind.TOKENIZER, target.tokenizer_json())
     drafter = None
     if drafter_dir is not None:
         drafter = model_thread.call(serve_drafter, drafter_dir, target)

@@ -11,9 +11,8 @@ from tokenizers import Tokenizer
 
 from edge_client.link import ServerLink
 from shared.cache import cache_root
-from shared.messages import ServerInfo
+from shared.messages import TOKENIZER_ARTIFACT, ServerInfo
 
-TOKENIZER_ARTIFACT = "tokenizer.json"
 
 
 def tokenizer_cache_path(sha256: str) -> Path:

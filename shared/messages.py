@@ -30,6 +30,9 @@ class ArtifactKind(enum.Enum):
     DRAFTER_BUNDLE = 2
 
 
+TOKENIZER_ARTIFACT = "tokenizer.json"  # the name Info lists the target's tokenizer under
+
+
 class Pace(enum.Enum):
     """Who paces a Decode session's forwards (docs/architecture.md, "Pacing")."""
 

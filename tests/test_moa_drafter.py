@@ -12,6 +12,7 @@ from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
 from edge_client.drafters.moa import MoaDrafter
+from shared.drafter_bundle import Precision
 from shared.tree import DraftTree
 
 PROMPT = [1, 46, 47, 48, 49]
@@ -38,7 +39,7 @@ def test_greedy_drafts_match_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     cache, _ = tiny_target.prefill(PROMPT)
     acts = server(cache, 0, len(PROMPT), dtype=np.float32)  # [len(PROMPT), width]
-    drafter = MoaDrafter(tiny_bundle, precision="fp32", max_depth=6, beam=1, branch=1,
+    drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=6, beam=1, branch=1,
                          lookup_nodes=0)
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts)
@@ -50,7 +51,7 @@ def test_greedy_drafts_match_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
     assert again == tree
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", list(Precision))
 def test_split_decoding_with_moa_equals_plain_greedy(tiny_target, tiny_drafter_dir, tiny_bundle,
                                                      precision):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
@@ -68,7 +69,7 @@ def test_activations_are_fp16_rows_of_width(tiny_target, tiny_drafter_dir):
 
 
 def test_drafter_needs_activations_and_rejects_gaps(tiny_bundle):
-    drafter = MoaDrafter(tiny_bundle, precision="fp32")
+    drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32)
     drafter.reset(PROMPT)
     assert len(drafter.propose(PROMPT, 8)) == 0  # nothing verified yet: nothing to offer
     with pytest.raises(ValueError):
@@ -101,7 +102,7 @@ def test_edge_side_of_moa_does_not_import_torch():
 def test_independent_baseline_feeds_its_own_memory(tiny_target, tiny_independent_bundle):
     """The baseline's memory is the verified tokens' embeddings: no activations, and split
     decoding with it stays lossless."""
-    drafter = MoaDrafter(tiny_independent_bundle, precision="fp32", max_depth=6, beam=4,
+    drafter = MoaDrafter(tiny_independent_bundle, precision=Precision.FP32, max_depth=6, beam=4,
                          branch=4)
     assert not drafter.needs_activations
     with pytest.raises(ValueError, match="no activations"):
@@ -119,7 +120,7 @@ def test_lookup_nodes_merge_a_repeated_phrase(tiny_bundle):
     """With lookup_nodes, a text that repeats itself gets the copy's continuation as well."""
     phrase = [60, 61, 62, 63, 64, 65]
     context = PROMPT + phrase + [70, 71] + phrase[:2]
-    with_lookup, without = (MoaDrafter(tiny_bundle, precision="fp32", max_depth=4, beam=2,
+    with_lookup, without = (MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=4, beam=2,
                                        branch=2, lookup_nodes=n) for n in (4, 0))
     for drafter in (with_lookup, without):
         drafter.reset(context[:-1])

@@ -2,53 +2,53 @@
 close, and the bundle survives archive -> install with every sha256 checked."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
-from cloud_server.moa.bundle import MANIFEST, archive
+from cloud_server.moa.bundle import archive
 from cloud_server.moa.export import MemoryGraph, StepGraph, example_inputs
 from cloud_server.moa.weights import load_drafter
-from edge_client.drafters.moa_bundle import BundleError, install_bundle, verify
+from edge_client.drafters.moa_bundle import install_bundle, load_manifest, verify
+from shared.drafter_bundle import (
+    BundleError, BundleManifest, Graph, Memory, MemoryIO, Precision, StepIO,
+)
 
-STEP_INPUTS = ["ids", "positions", "past_keys", "past_values", "allowed", "mem_keys",
-               "mem_values"]
 
-
-def run_both(tiny_target, tiny_drafter_dir, tiny_bundle, graph: str):
+def run_both(tiny_target, tiny_drafter_dir, tiny_bundle, precision: Precision):
     torch.manual_seed(1)
     _, _, edge = load_drafter(tiny_drafter_dir, tiny_target.model)
     memory_args, step_args = example_inputs(edge)
-    manifest = json.loads((tiny_bundle / MANIFEST).read_text())
+    manifest = load_manifest(tiny_bundle)
     with torch.no_grad():
-        want = StepGraph(edge, manifest["top_k"])(*step_args)
-    session = ort.InferenceSession(str(tiny_bundle / manifest["graphs"][graph]["step"]))
-    got = session.run(None, {n: a.numpy() for n, a in zip(STEP_INPUTS, step_args)})
+        want = StepGraph(edge, manifest.top_k)(*step_args)
+    session = ort.InferenceSession(str(tiny_bundle / manifest.graph(precision, Graph.STEP)))
+    got = session.run(None, {n: a.numpy() for n, a in zip(StepIO.INPUTS, step_args)})
     return [w.numpy() for w in want], got, edge, memory_args, manifest
 
 
 def test_fp32_step_matches_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
-    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, "fp32")
+    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, Precision.FP32)
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
 
 
 def test_fp32_memory_matches_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
     _, _, edge, (acts, positions), manifest = run_both(tiny_target, tiny_drafter_dir,
-                                                        tiny_bundle, "fp32")
+                                                        tiny_bundle, Precision.FP32)
     with torch.no_grad():
         want = MemoryGraph(edge)(acts, positions)
-    session = ort.InferenceSession(str(tiny_bundle / manifest["graphs"]["fp32"]["memory"]))
-    got = session.run(None, {"activations": acts.numpy(), "positions": positions.numpy()})
+    session = ort.InferenceSession(str(tiny_bundle / manifest.graph(Precision.FP32,
+                                                                    Graph.MEMORY)))
+    got = session.run(None, {MemoryIO.rows(Memory.ACTIVATIONS): acts.numpy(),
+                             MemoryIO.POSITIONS: positions.numpy()})
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)
 
 
 def test_int8_step_stays_close(tiny_target, tiny_drafter_dir, tiny_bundle):
-    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, "int8")
+    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, Precision.INT8)
     logits, top_ids = want[0], want[2]
     assert np.abs(got[0] - logits).max() < 0.1 * np.abs(logits).max()
     assert (got[2][:, 0] == top_ids[:, 0]).mean() >= 0.5
@@ -67,7 +67,7 @@ def test_bundle_archive_installs_and_verifies(tiny_bundle, tmp_path, monkeypatch
     assert installed.name == tiny_bundle.name
     manifest = verify(installed)
     assert {"step.onnx", "step.int8.onnx", "memory.onnx", "memory.int8.onnx",
-            "tokenizer.json"} <= set(manifest["files"])
+            "tokenizer.json"} <= set(manifest.files)
     (installed / "step.int8.onnx").write_bytes(b"corrupt")
     with pytest.raises(BundleError):
         verify(installed)
@@ -77,9 +77,9 @@ def test_int8_only_bundle(tiny_target, tiny_drafter_dir, tmp_path):
     from cloud_server.moa.bundle import build_bundle
 
     bundle = build_bundle(tiny_drafter_dir, tiny_target.model, "tiny-llama", tmp_path,
-                          precisions=("int8",))
+                          precisions=(Precision.INT8,))
     manifest = verify(bundle)
-    assert set(manifest["graphs"]) == {"int8"}
+    assert set(manifest.graphs) == {Precision.INT8}
     assert not (bundle / "step.onnx").exists()
 
 
@@ -103,9 +103,26 @@ def test_independent_memory_graph_reads_ids(tiny_target, tiny_drafter_dir, tiny_
     (ids, positions), _ = example_inputs(edge)
     with torch.no_grad():
         want = MemoryGraph(edge)(ids, positions)
-    manifest = json.loads((tiny_independent_bundle / MANIFEST).read_text())
+    manifest = load_manifest(tiny_independent_bundle)
+    assert manifest.memory is Memory.EMBEDDINGS
     session = ort.InferenceSession(
-        str(tiny_independent_bundle / manifest["graphs"]["fp32"]["memory"]))
-    got = session.run(None, {"ids": ids.numpy(), "positions": positions.numpy()})
+        str(tiny_independent_bundle / manifest.graph(Precision.FP32, Graph.MEMORY)))
+    got = session.run(None, {MemoryIO.rows(Memory.EMBEDDINGS): ids.numpy(),
+                             MemoryIO.POSITIONS: positions.numpy()})
     for w, g in zip(want, got):
         np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)
+
+
+def test_manifest_round_trips_and_refuses_what_it_cannot_read(tiny_bundle):
+    manifest = load_manifest(tiny_bundle)
+    assert BundleManifest.from_json(manifest.to_json()) == manifest
+    assert manifest.to_json() == (tiny_bundle / "bundle.json").read_text()  # what was hashed
+    newer = manifest.to_json().replace('"format": 1', '"format": 2')
+    with pytest.raises(BundleError, match="format 2 is not 1"):
+        BundleManifest.from_json(newer)
+    with pytest.raises(BundleError, match="malformed"):
+        BundleManifest.from_json('{"format": 1, "graphs": {"fp64": {}}}')
+    with pytest.raises(BundleError, match="not JSON"):
+        BundleManifest.from_json("{")
+    with pytest.raises(BundleError, match="precision int8 not in the bundle"):
+        BundleManifest("m", 8, {}, {}, {Precision.FP32: {}}).graph(Precision.INT8, Graph.STEP)

@@ -26,13 +26,14 @@ def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path):
     from cloud_server.moa.weights import committed_drafter
     from cloud_server.reference import compare, plain_greedy
     from edge_client.drafters.moa import MoaDrafter
+    from shared.drafter_bundle import Precision
 
     drafter_dir = committed_drafter(real_target.model_id)
     if drafter_dir is None:
         pytest.skip(f"no MoA drafter committed for {real_target.model_id}")
     bundle = build_bundle(drafter_dir, real_target.model, real_target.model_id, tmp_path)
     server = ServerActivations.load(drafter_dir, real_target.model)
-    drafter = MoaDrafter(bundle, precision="int8")
+    drafter = MoaDrafter(bundle, precision=Precision.INT8)
     prompt = real_target.apply_chat_template((ChatMessage("user", PROMPT),))
     log = split_greedy(real_target, server, drafter, prompt, 48, max_nodes=32)
     plain = plain_greedy(real_target, prompt, 48)

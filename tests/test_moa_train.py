@@ -12,7 +12,7 @@ import torch
 
 from cloud_server.cli import main as cloud_server_main
 from cloud_server.moa.data import Sample, answer_batch
-from cloud_server.moa.config import EMBEDDINGS
+from shared.drafter_bundle import Memory
 from cloud_server.moa.train import INDEPENDENT, Trainer, TrainSettings
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
@@ -60,7 +60,7 @@ def test_resume_continues_exactly(tiny_target, samples, tmp_path):
     torch.testing.assert_close(server.proj.weight, resumed.server.proj.weight.half().float())
     torch.testing.assert_close(edge.head, tiny_target.model.lm_head.weight[edge.vocab_ids])
     config, server, edge = load_drafter(tmp_path / "b" / INDEPENDENT, tiny_target.model)
-    assert config.memory == EMBEDDINGS and server is None
+    assert config.memory is Memory.EMBEDDINGS and server is None
     torch.testing.assert_close(edge.ca.attn.q_proj.weight,
                                resumed.students[1].edge.ca.attn.q_proj.weight.half().float())
     with pytest.raises(ValueError, match="--independent"):

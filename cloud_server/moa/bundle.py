@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import shutil
 import tarfile
 import tempfile
@@ -22,45 +21,40 @@ from pathlib import Path
 
 import torch
 
-from cloud_server.moa.export import MEMORY, STEP, TOP_K, export_edge, quantize_int8
+from cloud_server.moa.export import TOP_K, export_edge, quantize_int8
 from cloud_server.moa.weights import load_drafter
+from shared.drafter_bundle import (
+    GRAPH_FILES, MANIFEST_NAME, TOKENIZER_NAME, BundleManifest, Graph, Precision,
+)
 
-BUNDLE_FORMAT = 1
-MANIFEST = "bundle.json"
-TOKENIZER = "tokenizer.json"
-INT8 = {MEMORY: "memory.int8.onnx", STEP: "step.int8.onnx"}
-GRAPHS = {"fp32": {"memory": MEMORY, "step": STEP},
-          "int8": {"memory": INT8[MEMORY], "step": INT8[STEP]}}
+FP32, INT8 = GRAPH_FILES[Precision.FP32], GRAPH_FILES[Precision.INT8]
 
 
 def build_bundle(drafter_dir: Path, target: torch.nn.Module, model_id: str, out_root: Path,
                  tokenizer_json: bytes | None = None, top_k: int = TOP_K,
-                 precisions: tuple[str, ...] = ("fp32", "int8")) -> Path:
+                 precisions: tuple[Precision, ...] = tuple(Precision)) -> Path:
     """Exports, quantizes and writes the bundle under `out_root`; returns its directory (reused
     when a bundle with the same content exists). For SmolLM2 the fp32 graphs are ~150 MB (the
-    embedding table dominates) and the int8 ones ~40 MB: offer `precisions=("int8",)` to edges."""
-    unknown = set(precisions) - {"fp32", "int8"}
-    if unknown or not precisions:
-        raise ValueError(f"precisions must be among fp32, int8; got {precisions}")
+    embedding table dominates) and the int8 ones ~40 MB: offer only int8 to edges."""
+    if not precisions:
+        raise ValueError("a bundle needs at least one precision")
     config, _, edge = load_drafter(drafter_dir, target)
     out_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_root, prefix=".building-"))
     try:
         export_edge(edge, staging, top_k)
-        for fp32, int8 in INT8.items():
-            if "int8" in precisions:
-                quantize_int8(staging / fp32, staging / int8)
-            if "fp32" not in precisions:
-                (staging / fp32).unlink()
+        for graph in Graph:
+            if Precision.INT8 in precisions:
+                quantize_int8(staging / FP32[graph], staging / INT8[graph])
+            if Precision.FP32 not in precisions:
+                (staging / FP32[graph]).unlink()
         if tokenizer_json is not None:
-            (staging / TOKENIZER).write_bytes(tokenizer_json)
+            (staging / TOKENIZER_NAME).write_bytes(tokenizer_json)
         files = {p.name: _sha256(p.read_bytes()) for p in sorted(staging.iterdir())}
-        manifest = {"format": BUNDLE_FORMAT, "model_id": model_id, "top_k": top_k,
-                    "config": config.to_dict(), "files": files,
-                    "graphs": {name: graphs for name, graphs in GRAPHS.items()
-                               if name in precisions}}
-        text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
-        (staging / MANIFEST).write_text(text)
+        manifest = BundleManifest(model_id, top_k, config.to_dict(), files,
+                                  {p: GRAPH_FILES[p] for p in Precision if p in precisions})
+        text = manifest.to_json()
+        (staging / MANIFEST_NAME).write_text(text)
         final = out_root / f"moa-{_safe(model_id)}-{_sha256(text.encode())[:12]}"
         if final.exists():
             shutil.rmtree(staging)

@@ -17,10 +17,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from shared.drafter_bundle import Memory
+
 FORMAT_VERSION = 1
-ACTIVATIONS = "activations"  # memory: the server half's output for verified positions
-EMBEDDINGS = "embeddings"  # memory: the verified tokens' own embeddings (no server half)
-MEMORIES = (ACTIVATIONS, EMBEDDINGS)
 
 
 @dataclass(frozen=True)
@@ -39,12 +38,8 @@ class MoaConfig:
     rope_theta: float
     rms_eps: float
     draft_vocab: int = 0  # size of the frequency-ranked sub-vocabulary head; 0: the full vocab
-    memory: str = ACTIVATIONS  # what the Cross-Attention reads: one of MEMORIES
+    memory: Memory = Memory.ACTIVATIONS  # what the Cross-Attention reads
     format_version: int = FORMAT_VERSION
-
-    def __post_init__(self) -> None:
-        if self.memory not in MEMORIES:
-            raise ValueError(f"unknown drafter memory {self.memory!r}: one of {MEMORIES}")
 
     @classmethod
     def from_target(cls, config, intermediate: int | None = None,
@@ -74,7 +69,7 @@ class MoaConfig:
     @property
     def uses_activations(self) -> bool:
         """Whether the server half runs and the Verdicts carry activations."""
-        return self.memory == ACTIVATIONS
+        return self.memory is Memory.ACTIVATIONS
 
     @property
     def head_size(self) -> int:
@@ -82,7 +77,7 @@ class MoaConfig:
         return self.draft_vocab or self.vocab_size
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return dataclasses.asdict(self) | {"memory": self.memory.value}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MoaConfig":
@@ -91,7 +86,12 @@ class MoaConfig:
                              f"{FORMAT_VERSION}: re-export the drafter")
         names = {f.name for f in dataclasses.fields(cls)}
         fields = {k: v for k, v in data.items() if k in names}
-        return cls(**fields | {"lsa_layers": tuple(fields["lsa_layers"])})
+        memory = fields.get("memory", Memory.ACTIVATIONS.value)
+        if memory not in {m.value for m in Memory}:
+            raise ValueError(f"unknown drafter memory {memory!r}: one of "
+                             f"{', '.join(m.value for m in Memory)}")
+        return cls(**fields | {"lsa_layers": tuple(fields["lsa_layers"]),
+                               "memory": Memory(memory)})
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")

@@ -4,7 +4,7 @@ Two graphs, batch dimension dropped (the edge drafts one text):
 - `memory.onnx`: activations: [m, width] f32, positions: [m] i64 -> mem_keys, mem_values:
   [kv_heads, m, head_dim], the Cross-Attention K/V of newly verified positions. The edge appends
   them to its memory once per verdict. A drafter whose memory is the tokens' embeddings (the
-  Independent baseline, config.EMBEDDINGS) takes ids: [m] i64 instead of activations.
+  Independent baseline, Memory.EMBEDDINGS) takes ids: [m] i64 instead of activations.
 - `step.onnx`: ids: [q] i64, positions: [q] i64, past_keys, past_values:
   [kv_heads, p, head_dim] (Self-Attention K/V of the tokens the queries may attend to besides
   themselves), allowed: [q, p + q] bool (tree mask), mem_keys, mem_values -> logits:
@@ -24,9 +24,9 @@ from torch import nn
 
 from cloud_server.moa.layers import additive_mask
 from cloud_server.moa.model import EdgeHalf
+from shared.drafter_bundle import GRAPH_FILES, Graph, MemoryIO, Precision, StepIO
 
-MEMORY = "memory.onnx"
-STEP = "step.onnx"
+FILES = GRAPH_FILES[Precision.FP32]
 OPSET = 17
 TOP_K = 8
 
@@ -44,11 +44,6 @@ class MemoryGraph(nn.Module):
             rows = self.edge.embedding[rows]
         keys, values = self.edge.memory_kv(rows[None], positions)
         return keys[0], values[0]
-
-
-def memory_input(edge: EdgeHalf) -> str:
-    """The name of the memory graph's first input."""
-    return "activations" if edge.config.uses_activations else "ids"
 
 
 class StepGraph(nn.Module):
@@ -86,29 +81,31 @@ def example_inputs(edge: EdgeHalf) -> tuple[tuple[torch.Tensor, ...], tuple[torc
 
 
 def export_edge(edge: EdgeHalf, out: Path, top_k: int = TOP_K) -> None:
-    """Writes MEMORY and STEP (fp32) into `out`."""
+    """Writes the fp32 memory and step graphs (shared/drafter_bundle.py) into `out`."""
     edge = edge.float().cpu().eval()
     memory_args, step_args = example_inputs(edge)
     out.mkdir(parents=True, exist_ok=True)
+    rows = MemoryIO.rows(edge.config.memory)
     with warnings.catch_warnings():  # the TorchScript exporter's deprecation notice
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
-            MemoryGraph(edge), memory_args, str(out / MEMORY), dynamo=False, opset_version=OPSET,
-            input_names=[memory_input(edge), "positions"],
-            output_names=["mem_keys", "mem_values"],
-            dynamic_axes={memory_input(edge): {0: "m"}, "positions": {0: "m"},
-                          "mem_keys": {1: "m"}, "mem_values": {1: "m"}})
+            MemoryGraph(edge), memory_args, str(out / FILES[Graph.MEMORY]), dynamo=False,
+            opset_version=OPSET, input_names=[rows, MemoryIO.POSITIONS],
+            output_names=[MemoryIO.KEYS, MemoryIO.VALUES],
+            dynamic_axes={rows: {0: "m"}, MemoryIO.POSITIONS: {0: "m"},
+                          MemoryIO.KEYS: {1: "m"}, MemoryIO.VALUES: {1: "m"}})
+        logits, top_logprobs, top_ids, keys, values = StepIO.OUTPUTS
         torch.onnx.export(
-            StepGraph(edge, top_k), step_args, str(out / STEP), dynamo=False, opset_version=OPSET,
-            input_names=["ids", "positions", "past_keys", "past_values", "allowed", "mem_keys",
-                         "mem_values"],
-            output_names=["logits", "top_logprobs", "top_ids", "keys", "values"],
-            dynamic_axes={"ids": {0: "q"}, "positions": {0: "q"}, "past_keys": {1: "p"},
-                          "past_values": {1: "p"}, "allowed": {0: "q", 1: "pq"},
-                          "mem_keys": {1: "m"}, "mem_values": {1: "m"}, "logits": {0: "q"},
-                          "top_logprobs": {0: "q"}, "top_ids": {0: "q"}, "keys": {1: "q"},
-                          "values": {1: "q"}})
-    for name in (MEMORY, STEP):
+            StepGraph(edge, top_k), step_args, str(out / FILES[Graph.STEP]), dynamo=False,
+            opset_version=OPSET, input_names=list(StepIO.INPUTS),
+            output_names=list(StepIO.OUTPUTS),
+            dynamic_axes={StepIO.IDS: {0: "q"}, StepIO.POSITIONS: {0: "q"},
+                          StepIO.PAST_KEYS: {1: "p"}, StepIO.PAST_VALUES: {1: "p"},
+                          StepIO.ALLOWED: {0: "q", 1: "pq"}, StepIO.MEM_KEYS: {1: "m"},
+                          StepIO.MEM_VALUES: {1: "m"}, logits: {0: "q"},
+                          top_logprobs: {0: "q"}, top_ids: {0: "q"}, keys: {1: "q"},
+                          values: {1: "q"}})
+    for name in FILES.values():
         constants_to_initializers(out / name)
 
 

@@ -13,7 +13,7 @@ feature loss 1; here both weigh 1 by default because acceptance is judged on the
 
 With `independent`, the paper's "Independent" baseline trains alongside on the same batches,
 boundaries and teacher pass: the same edge network whose Cross-Attention reads the verified
-tokens' own embeddings instead of the server half's activations (config.EMBEDDINGS). The
+tokens' own embeddings instead of the server half's activations (Memory.EMBEDDINGS). The
 students share no parameter, so one optimizer over both with the losses summed trains each
 exactly as alone; gradients are clipped per student.
 Knows nothing of where the samples come from (data.py) or of the command line (train_cli.py).
@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from cloud_server.moa.boundaries import causal_mask, cross_mask
-from cloud_server.moa.config import EMBEDDINGS, MoaConfig
+from cloud_server.moa.config import MoaConfig
+from shared.drafter_bundle import Memory
 from cloud_server.moa.data import Sample
 from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv
 from cloud_server.moa.weights import save_weights
@@ -184,7 +185,7 @@ class Trainer:
                                    self.config.vocab_size)
         self.students = [self._student(self.config, vocab_ids)]
         if settings.independent:
-            self.students.append(self._student(replace(self.config, memory=EMBEDDINGS),
+            self.students.append(self._student(replace(self.config, memory=Memory.EMBEDDINGS),
                                                vocab_ids))
         params = [p for student in self.students for p in student.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)

@@ -29,6 +29,7 @@ from edge_client.drafters.moa_bundle import load_manifest
 from shared.drafting.pld import PromptLookupDrafter
 from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
+from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
 from shared.draft_q import NodeQ
 from shared.tree import ROOT, DraftTree
 
@@ -64,31 +65,28 @@ class MoaDrafter:
     # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
-    def __init__(self, bundle_dir: Path, precision: str = "int8", max_depth: int = 8,
+    def __init__(self, bundle_dir: Path, precision: Precision = Precision.INT8, max_depth: int = 8,
                  beam: int = 8, branch: int = 8, threads: int = 1,
                  lookup_nodes: int = LOOKUP_NODES) -> None:
         import onnxruntime as ort
 
         manifest = load_manifest(bundle_dir)
-        if precision not in manifest["graphs"]:
-            raise ValueError(f"precision {precision!r} not in the bundle: "
-                             f"{', '.join(manifest['graphs'])}")
-        config = manifest["config"]
+        config = manifest.config
         self.kv_heads, self.head_dim = config["kv_heads"], config["head_dim"]
         self.width = config["width"]
         # the Independent baseline: memory rows are the verified tokens, fed by propose itself
-        self.needs_activations = config.get("memory", "activations") == "activations"
+        self.memory = manifest.memory
+        self.needs_activations = self.memory is Memory.ACTIVATIONS
         self.max_depth, self.beam = max_depth, beam
-        self.branch = min(branch, manifest["top_k"])
+        self.branch = min(branch, manifest.top_k)
         self.lookup_nodes = lookup_nodes
         self._lookup = PromptLookupDrafter()
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        graphs = manifest["graphs"][precision]
-        self._memory = ort.InferenceSession(str(bundle_dir / graphs["memory"]), options,
-                                            providers=["CPUExecutionProvider"])
-        self._step = ort.InferenceSession(str(bundle_dir / graphs["step"]), options,
-                                          providers=["CPUExecutionProvider"])
+        self._memory, self._step = (
+            ort.InferenceSession(str(bundle_dir / manifest.graph(precision, graph)), options,
+                                 providers=["CPUExecutionProvider"])
+            for graph in (Graph.MEMORY, Graph.STEP))
         self.reset(())
 
     def reset(self, prompt: Sequence[int]) -> None:
@@ -116,21 +114,29 @@ class MoaDrafter:
                              "positions are verified: one verdict's activations are missing")
         if activations.ndim != 2 or activations.shape[1] != self.width:
             raise ValueError(f"activations must be [n, {self.width}], got {activations.shape}")
-        self._remember("activations", start, np.ascontiguousarray(activations, dtype=np.float32))
+        self._remember(start, np.ascontiguousarray(activations, dtype=np.float32))
 
-    def _remember(self, name: str, start: int, rows: np.ndarray) -> None:
+    def _remember(self, start: int, rows: np.ndarray) -> None:
         """Keeps memory positions < start and appends the K/V of `rows` after them."""
         keys, values = self._memory.run(None, {
-            name: rows, "positions": np.arange(start, start + len(rows), dtype=np.int64)})
+            MemoryIO.rows(self.memory): rows,
+            MemoryIO.POSITIONS: np.arange(start, start + len(rows), dtype=np.int64)})
         self._mem_keys = np.concatenate((self._mem_keys[:, :start], keys), axis=1)
         self._mem_values = np.concatenate((self._mem_values[:, :start], values), axis=1)
+
+    def _run_step(self, ids: np.ndarray, positions: np.ndarray, past_keys: np.ndarray,
+                  past_values: np.ndarray, allowed: np.ndarray) -> list[np.ndarray]:
+        """The step graph (shared/drafter_bundle.py StepIO) against the current memory."""
+        inputs = (ids, positions, past_keys, past_values, allowed, self._mem_keys,
+                  self._mem_values)
+        return self._step.run(None, dict(zip(StepIO.INPUTS, inputs)))
 
     def _remember_tokens(self, context: Sequence[int]) -> None:
         """Self-fed memory: every committed token but the last, as activations would cover."""
         verified = list(context[:-1])
         keep = _common_prefix(self._mem_ids, verified)
         if keep < len(verified) or keep < len(self._mem_ids):
-            self._remember("ids", keep, np.asarray(verified[keep:], dtype=np.int64))
+            self._remember(keep, np.asarray(verified[keep:], dtype=np.int64))
             self._mem_ids = verified
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
@@ -192,10 +198,8 @@ class MoaDrafter:
         past_keys, past_values = self._sa_keys[:, :keep], self._sa_values[:, :keep]
         new = np.asarray(context[keep:], dtype=np.int64)  # [q]
         allowed = np.tril(np.ones((len(new), keep + len(new)), dtype=bool), k=keep)
-        _, top_logprobs, top_ids, keys, values = self._step.run(None, {
-            "ids": new, "positions": np.arange(keep, len(context), dtype=np.int64),
-            "past_keys": past_keys, "past_values": past_values, "allowed": allowed,
-            "mem_keys": self._mem_keys, "mem_values": self._mem_values})
+        _, top_logprobs, top_ids, keys, values = self._run_step(
+            new, np.arange(keep, len(context), dtype=np.int64), past_keys, past_values, allowed)
         self._context = list(context)
         self._sa_keys = np.concatenate((past_keys, keys), axis=1)
         self._sa_values = np.concatenate((past_values, values), axis=1)
@@ -236,12 +240,11 @@ class MoaDrafter:
         for row, node in enumerate(frontier):
             allowed[row, [base + nodes.slots[a] for a in nodes.ancestors(node)]] = True
             allowed[row, base + slots + row] = True
-        _, top_logprobs, top_ids, new_keys, new_values = self._step.run(None, {
-            "ids": np.array([nodes.tokens[i] for i in frontier], dtype=np.int64),
-            "positions": np.array([base + nodes.depths[i] for i in frontier], dtype=np.int64),
-            "past_keys": np.concatenate((self._sa_keys, keys), axis=1),
-            "past_values": np.concatenate((self._sa_values, values), axis=1),
-            "allowed": allowed, "mem_keys": self._mem_keys, "mem_values": self._mem_values})
+        _, top_logprobs, top_ids, new_keys, new_values = self._run_step(
+            np.array([nodes.tokens[i] for i in frontier], dtype=np.int64),
+            np.array([base + nodes.depths[i] for i in frontier], dtype=np.int64),
+            np.concatenate((self._sa_keys, keys), axis=1),
+            np.concatenate((self._sa_values, values), axis=1), allowed)
         return top_logprobs, top_ids, new_keys, new_values
 
 

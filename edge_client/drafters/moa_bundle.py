@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import shutil
 import tarfile
 import tempfile
 from pathlib import Path
 
 from shared.cache import cache_root
-
-MANIFEST = "bundle.json"
-BUNDLE_FORMAT = 1
-
-
-class BundleError(ValueError):
-    """A bundle that does not match its announced hash or its own manifest."""
+from shared.drafter_bundle import MANIFEST_NAME, BundleError, BundleManifest
 
 
 def bundle_cache_dir(sha256: str) -> Path:
@@ -49,24 +42,20 @@ def install_bundle(data: bytes, sha256: str) -> Path:
 
 def find_bundle(root: Path) -> Path:
     """The one bundle directory under an unpacked archive."""
-    found = [p.parent for p in root.glob(f"*/{MANIFEST}")]
+    found = [p.parent for p in root.glob(f"*/{MANIFEST_NAME}")]
     if len(found) != 1:
         raise BundleError(f"{root} holds {len(found)} bundles, expected 1")
     return found[0]
 
 
-def load_manifest(bundle_dir: Path) -> dict:
-    manifest = json.loads((bundle_dir / MANIFEST).read_text())
-    if manifest.get("format") != BUNDLE_FORMAT:
-        raise BundleError(f"drafter bundle format {manifest.get('format')} is not "
-                          f"{BUNDLE_FORMAT}: update the edge client")
-    return manifest
+def load_manifest(bundle_dir: Path) -> BundleManifest:
+    return BundleManifest.from_json((bundle_dir / MANIFEST_NAME).read_text())
 
 
-def verify(bundle_dir: Path) -> dict:
+def verify(bundle_dir: Path) -> BundleManifest:
     """The manifest, after checking every listed file's sha256."""
     manifest = load_manifest(bundle_dir)
-    for name, digest in manifest["files"].items():
+    for name, digest in manifest.files.items():
         path = bundle_dir / name
         if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != digest:
             raise BundleError(f"{name} in the drafter bundle is missing or corrupt")

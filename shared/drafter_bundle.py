@@ -1,0 +1,120 @@
+"""The drafter bundle's contract: what the server writes (cloud_server/moa/bundle.py) and the
+edge reads (edge_client/drafters/moa_bundle.py, moa.py), named once.
+
+A bundle is one directory: `bundle.json` (the manifest below), the edge half's ONNX graphs in
+one or more precisions, and the target's tokenizer. Each graph keeps its K/V state outside:
+the memory graph turns verified rows into Cross-Attention keys and values, the step graph runs
+drafting queries against those and the Self-Attention cache. The manifest lists every file's
+sha256, so the hash of the manifest names the whole bundle.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+BUNDLE_FORMAT = 1
+MANIFEST_NAME = "bundle.json"
+TOKENIZER_NAME = "tokenizer.json"
+
+
+class BundleError(ValueError):
+    """A bundle that does not match its announced hash, its own manifest or this format."""
+
+
+class Precision(Enum):
+    FP32 = "fp32"
+    INT8 = "int8"  # dynamic int8 (onnxruntime.quantization): a quarter of the bytes
+
+
+class Memory(Enum):
+    """What the drafter's Cross-Attention reads for verified positions."""
+
+    ACTIVATIONS = "activations"  # the server half's output, carried by every Verdict (MoA)
+    EMBEDDINGS = "embeddings"  # the tokens' own embeddings: the Independent baseline
+
+
+class Graph(Enum):
+    MEMORY = "memory"
+    STEP = "step"
+
+
+GRAPH_FILES = {
+    Precision.FP32: {Graph.MEMORY: "memory.onnx", Graph.STEP: "step.onnx"},
+    Precision.INT8: {Graph.MEMORY: "memory.int8.onnx", Graph.STEP: "step.int8.onnx"},
+}
+
+
+class MemoryIO:
+    """The memory graph's inputs and outputs: rows [m, width] (activations) or [m] (ids, for
+    a drafter whose memory is embeddings), positions [m] -> keys, values [kv_heads, m, hd]."""
+
+    ACTIVATIONS = "activations"
+    IDS = "ids"
+    POSITIONS = "positions"
+    KEYS = "mem_keys"
+    VALUES = "mem_values"
+
+    @staticmethod
+    def rows(memory: Memory) -> str:
+        return MemoryIO.ACTIVATIONS if memory is Memory.ACTIVATIONS else MemoryIO.IDS
+
+
+class StepIO:
+    """The step graph's inputs (queries, their positions, the SA cache, the tree mask, the
+    memory) and outputs (logits, the top-k, the queries' own K/V)."""
+
+    IDS = "ids"
+    POSITIONS = "positions"
+    PAST_KEYS = "past_keys"
+    PAST_VALUES = "past_values"
+    ALLOWED = "allowed"
+    MEM_KEYS = MemoryIO.KEYS
+    MEM_VALUES = MemoryIO.VALUES
+    INPUTS = (IDS, POSITIONS, PAST_KEYS, PAST_VALUES, ALLOWED, MEM_KEYS, MEM_VALUES)
+    OUTPUTS = ("logits", "top_logprobs", "top_ids", "keys", "values")
+
+
+@dataclass(frozen=True)
+class BundleManifest:
+    model_id: str
+    top_k: int  # children per node the step graph returns
+    config: dict[str, Any]  # the drafter's sizes (MoaConfig.to_dict): plain numbers
+    files: dict[str, str]  # file name -> sha256
+    graphs: dict[Precision, dict[Graph, str]] = field(default_factory=dict)
+
+    @property
+    def memory(self) -> Memory:
+        return Memory(self.config.get("memory", Memory.ACTIVATIONS.value))
+
+    def graph(self, precision: Precision, graph: Graph) -> str:
+        if precision not in self.graphs:
+            offered = ", ".join(p.value for p in self.graphs)
+            raise BundleError(f"precision {precision.value} not in the bundle: {offered}")
+        return self.graphs[precision][graph]
+
+    def to_json(self) -> str:
+        data = {"format": BUNDLE_FORMAT, "model_id": self.model_id, "top_k": self.top_k,
+                "config": self.config, "files": self.files,
+                "graphs": {p.value: {g.value: name for g, name in files.items()}
+                           for p, files in self.graphs.items()}}
+        return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "BundleManifest":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise BundleError(f"drafter bundle manifest is not JSON: {err}") from None
+        if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else None
+            raise BundleError(f"drafter bundle format {found} is not {BUNDLE_FORMAT}: update "
+                              "the edge client")
+        try:
+            graphs = {Precision(p): {Graph(g): name for g, name in files.items()}
+                      for p, files in data["graphs"].items()}
+            return cls(data["model_id"], int(data["top_k"]), dict(data["config"]),
+                       dict(data["files"]), graphs)
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise BundleError(f"drafter bundle manifest is malformed: {err!r}") from None
