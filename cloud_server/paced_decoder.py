@@ -14,14 +14,19 @@ import time
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
 from shared.acceptance import AcceptanceMode
+from shared.drafting.budget import TreeBudget
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot
 
 
 class PacedDecoder:
-    def __init__(self, session: Session, own: ServerDecoder):
+    def __init__(self, session: Session, own: ServerDecoder,
+                 verify_costs: tuple[tuple[int, float], ...]):
         self.session = session
         self.own = own
+        # Sizes the merged tree: a stale client draft's nodes cost verify time whether or not
+        # they are accepted, and on a CPU server a tree costs clearly more than one token.
+        self._budget = TreeBudget(verify_costs, session.limits.max_tree_nodes)
 
     def step(self, draft: DraftRequest | None, queued_at: float) -> Verdict:
         start = time.perf_counter()
@@ -34,6 +39,12 @@ class PacedDecoder:
             return verdict
         tree, q = client.tree, client.q
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
+            # Any tree is lossless under these rules; a sampled one must stay as drawn.
             own, _ = self.own.propose(context)
             tree = tree.merged(own, self.session.limits.max_tree_nodes)
-        return self.session.advance(tree, q, queued_at, draft.round_id, len(client.tree))
+            tree = tree.prefix(self._budget.nodes())
+        verdict = self.session.advance(tree, q, queued_at, draft.round_id,
+                                       min(len(client.tree), len(tree)))
+        self._budget.observe(len(tree), tree.walk(verdict.tokens[:-1]), verdict.verify_ms,
+                             verdict.verify_ms)
+        return verdict

@@ -224,7 +224,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         as they come; then Done. Returns as _serve_rounds does."""
         inbox = Inbox(len(session.committed))
         own = ServerDecoder(session, self.pacing.drafter, 0, self.verify_costs)
-        decoder = PacedDecoder(session, own)
+        decoder = PacedDecoder(session, own, self.verify_costs)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox))
         try:
             await run_paced(lambda: len(session.committed), lambda: session.finished, inbox,

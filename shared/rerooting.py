@@ -33,9 +33,11 @@ def reroot(tree: DraftTree, base_length: int, committed: Sequence[int],
     tree does not follow the tokens committed since its base, or nothing of it is left."""
     if base_length > len(committed):
         raise ValueError(f"draft base {base_length} is past the committed {len(committed)}")
-    anchor = _walk(tree, committed[base_length:])
-    if anchor is None:
+    since = committed[base_length:]
+    path = tree.walk(since)
+    if len(path) < len(since):
         return None
+    anchor = path[-1] if path else ROOT
     sub, nodes = tree.subtree_nodes(anchor)
     if not len(sub):
         return None
@@ -44,15 +46,3 @@ def reroot(tree: DraftTree, base_length: int, committed: Sequence[int],
                    if row.node in index)
     return Rerooted(sub, nodes, kept_q)
 
-
-def _walk(tree: DraftTree, tokens: Sequence[int]) -> int | None:
-    """The node reached by following `tokens` from the first level (ROOT for none); None when
-    some token is not a child of the node before it."""
-    child = {(parent, token): i for i, (parent, token) in enumerate(zip(tree.parents, tree.tokens))}
-    node = ROOT
-    for token in tokens:
-        found = child.get((node, token))
-        if found is None:
-            return None
-        node = found
-    return node

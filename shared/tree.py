@@ -67,6 +67,22 @@ class DraftTree:
             path.append(self.tokens[node])
         return path
 
+    def walk(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes along `tokens` from the first level, as far as the tree follows them."""
+        child = {(parent, token): i for i, (parent, token) in enumerate(zip(self.parents,
+                                                                             self.tokens))}
+        path, node = [], ROOT
+        for token in tokens:
+            found = child.get((node, token))
+            if found is None:
+                break
+            path.append(node := found)
+        return path
+
+    def prefix(self, n: int) -> "DraftTree":
+        """The first `n` nodes: a tree, since every node comes after its parent."""
+        return DraftTree(self.tokens[:n], self.parents[:n])
+
     def merged(self, other: "DraftTree", max_nodes: int) -> "DraftTree":
         """The union of both trees' paths, at most `max_nodes` nodes: this tree's nodes first
         and in order, then `other`'s that it lacks. Every node follows its parent, so cutting
