@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from benchmarks import prompts
+from shared import prompt_sets as prompts
 from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import GenerationResult, SilentListener

@@ -22,12 +22,11 @@ from typing import Callable
 
 import numpy as np
 
-from benchmarks import prompts as evaluation
+from shared import prompt_sets as evaluation
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from shared.drafter_bundle import Graph, Precision, StepIO
 from shared.drafting.base import Drafter
-from shared.acceptance import accept_greedy
-from shared.messages import ChatMessage
+from shared.messages import ChatMessage, OpenRequest
 
 
 @dataclass
@@ -40,42 +39,25 @@ class RoundLog:
 
 def split_greedy(target, server, drafter, prompt: list[int], max_new: int,
                  max_nodes: int) -> RoundLog:
-    """Split greedy decoding in-process: the MoA loop of DESIGN section 1 without the wire.
-    `server` (the server half) is None for a drafter that reads no activations."""
-    from cloud_server.target import keep_path
+    """Split greedy decoding in process, through the server's own session and loop
+    (cloud_server.server_decoding.decode_in_process); `server` (the server half) is None for
+    a drafter that reads no activations. Times drafting and the server half apart."""
+    from cloud_server.server_decoding import decode_in_process
 
     log = RoundLog()
-    cache, logits = target.prefill(prompt)
-    drafter.reset(prompt)
-    if server is not None:
-        drafter.add_activations(0, server(cache, 0, len(prompt)))
-    committed = list(prompt) + [int(logits.argmax())]
-    stops = set(target.stop_token_ids())
-    while len(committed) - len(prompt) < max_new and committed[-1] not in stops:
-        base = len(committed) - 1  # the pending token is not in the cache yet
-        start = time.perf_counter()
-        tree = drafter.propose(committed, max_nodes)
-        drafted = time.perf_counter()
-        target_argmax = target.forward_tree(cache, committed[-1], tree).argmax(-1).cpu().numpy()
-        acceptance = accept_greedy(tree, target_argmax)
-        keep_path(cache, base, acceptance.accepted_nodes)
-        verified = time.perf_counter()
-        if server is not None:
-            drafter.add_activations(base, server(cache, base, cache.get_seq_length()))
-        log.server_s += time.perf_counter() - verified
-        log.draft_s += drafted - start
-        tokens = _through_stop(acceptance.tokens, stops)
-        committed += tokens
-        log.per_round.append(len(tokens))
-    log.tokens = committed[len(prompt):]
+
+    def timed(cache, start: int, end: int) -> np.ndarray:
+        began = time.perf_counter()
+        rows = server(cache, start, end)
+        log.server_s += time.perf_counter() - began
+        return rows
+
+    run = decode_in_process(target, OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new),
+                            drafter, max_nodes, timed if server else None)
+    log.tokens = [t for v in run.verdicts for t in v.tokens]
+    log.per_round = [len(v.tokens) for v in run.verdicts[1:]]
+    log.draft_s = run.draft_s
     return log
-
-
-def _through_stop(tokens: tuple[int, ...], stops: set[int]) -> tuple[int, ...]:
-    """A round's tokens up to and including the first stop token: the tree may run past it,
-    generation may not (the server cuts the same way)."""
-    end = next((i + 1 for i, t in enumerate(tokens) if t in stops), len(tokens))
-    return tokens[:end]
 
 
 def plain_step_ms(target, repeat: int = 9) -> float:

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks import prompts
+from shared import prompt_sets as prompts
 from benchmarks.common import RESULTS, cloud_server, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.model_thread import ModelThread

@@ -18,7 +18,7 @@ import sys
 import time
 from collections import defaultdict
 
-from benchmarks import prompts
+from shared import prompt_sets as prompts
 from benchmarks.common import RESULTS, cloud_server, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.model_thread import ModelThread

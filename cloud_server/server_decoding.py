@@ -1,4 +1,4 @@
-"""Generation on the server alone: the baselines split decoding is measured against (DESIGN 7).
+"""Generation on the server alone: the baselines split decoding is measured against.
 
 Either plain decoding, one target forward per token (a plain streaming API), or speculative
 decoding with a training-free drafter that runs on the server next to the target, its trees sized
@@ -7,35 +7,55 @@ by the same cost model the edge uses. Runs on the model thread; knows nothing of
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 
-from cloud_server.session import Session
+from cloud_server.session import ActivationSource, Session
+from cloud_server.target import TargetModel
 from shared.drafting.budget import TreeBudget
 from shared.drafting import DRAFTERS, make_drafter
+from shared.drafting.base import Drafter
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
-from shared.messages import Verdict
+from shared.messages import ActivationFormat, Limits, OpenRequest, Verdict
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
 
 PLAIN = DraftTree((), ())
 
 
+def own_drafter(name: str | None, limits: Limits) -> Drafter | None:
+    """A training-free drafter the server runs itself, by name (None: none)."""
+    if name is None:
+        return None
+    if name not in DRAFTERS:
+        raise InvalidRequest(f"unknown drafter {name!r}; the server runs: "
+                             f"{', '.join(sorted(DRAFTERS))}")
+    return make_drafter(name, limits.max_tree_depth)
+
+
 class ServerDecoder:
-    def __init__(self, session: Session, drafter: str | None, tree_nodes: int,
+    """Drafts and verifies in one place: the server speculating alone (a training-free
+    drafter), or any drafter in process (benchmarks: the edge's drafter fed the server half's
+    activations from each Verdict, as the client feeds it)."""
+
+    def __init__(self, session: Session, drafter: Drafter | None, tree_nodes: int,
                  verify_costs: tuple[tuple[int, float], ...]):
-        if drafter is not None and drafter not in DRAFTERS:
-            raise InvalidRequest(f"unknown drafter {drafter!r}; the server runs: "
-                                 f"{', '.join(sorted(DRAFTERS))}")
         limits = session.limits
         if tree_nodes > limits.max_tree_nodes:
             raise InvalidRequest(f"tree_nodes {tree_nodes} is over the server's limit "
                                  f"{limits.max_tree_nodes}")
         self.session = session
-        self._drafter = None if drafter is None else make_drafter(drafter, limits.max_tree_depth)
+        self._drafter = drafter
         self._budget = TreeBudget(verify_costs, limits.max_tree_nodes, fixed=tree_nodes or None)
+        self.draft_s = 0.0  # time spent proposing
         if self._drafter is not None:
             self._drafter.reset(session.committed)
+
+    def prefill(self) -> Verdict:
+        verdict = self.session.prefill()
+        self._feed(verdict)
+        return verdict
 
     def step(self) -> Verdict:
         """One target forward: a plain decoding step, or one drafted tree verified."""
@@ -47,14 +67,18 @@ class ServerDecoder:
         return verdict
 
     def propose(self, context: list[int]) -> tuple[DraftTree, tuple[NodeQ, ...]]:
-        """The server's own candidates continuing `context` (empty without a drafter)."""
+        """The drafter's candidates continuing `context` (empty without a drafter)."""
         if self._drafter is None:
             return PLAIN, ()
+        start = time.perf_counter()
         nodes = self._budget.nodes()
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
-            return self._drafter.propose(context, nodes), ()
-        rng = round_rng(self.session.seed, RngStream.DRAFT, len(context))
-        return self._drafter.propose_sampled(context, nodes, rng)
+            proposal = self._drafter.propose(context, nodes), ()
+        else:
+            rng = round_rng(self.session.seed, RngStream.DRAFT, len(context))
+            proposal = self._drafter.propose_sampled(context, nodes, rng)
+        self.draft_s += time.perf_counter() - start
+        return proposal
 
     def learn(self, context: list[int], tree: DraftTree, verdict: Verdict, start: float) -> None:
         """Feeds a forward's outcome for `tree` (proposed at `context`, from perf_counter
@@ -64,3 +88,30 @@ class ServerDecoder:
         self._drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
         self._budget.observe(len(tree), verdict.accepted_nodes,
                              1000 * (time.perf_counter() - start), verdict.verify_ms)
+        self._feed(verdict)
+
+    def _feed(self, verdict: Verdict) -> None:
+        if verdict.activations is not None and self._drafter is not None:
+            self._drafter.add_activations(verdict.activations.start,
+                                          verdict.activations.values)
+
+
+@dataclass(frozen=True)
+class InProcessRun:
+    verdicts: tuple[Verdict, ...]  # the prefill's, then one per forward
+    draft_s: float  # time the drafter spent proposing
+
+
+def decode_in_process(target: TargetModel, request: OpenRequest, drafter: Drafter | None,
+                      tree_nodes: int, activations: ActivationSource | None = None,
+                      limits: Limits = Limits()) -> InProcessRun:
+    """One generation without the network: the server's session verifying `drafter`'s trees
+    (None: plain decoding), the drafter fed the server half's activations when it reads them."""
+    if drafter is not None and drafter.needs_activations:
+        request = replace(request, activations=ActivationFormat.FP16)
+    session = Session(target, limits, request, activations)
+    decoder = ServerDecoder(session, drafter, tree_nodes, ())
+    verdicts = [decoder.prefill()]
+    while not session.finished:
+        verdicts.append(decoder.step())
+    return InProcessRun(tuple(verdicts), decoder.draft_s)

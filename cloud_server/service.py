@@ -21,7 +21,7 @@ from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.paced_decoder import PacedDecoder
 from cloud_server.pacing import Inbox, PacingPolicy, run_paced
-from cloud_server.server_decoding import ServerDecoder
+from cloud_server.server_decoding import ServerDecoder, own_drafter
 from cloud_server.session import Session
 from cloud_server.session_table import SessionTable
 from cloud_server.target import TargetModel
@@ -223,7 +223,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         """Forward after forward without waiting for the client (pacing.py), its drafts read
         as they come; then Done. Returns as _serve_rounds does."""
         inbox = Inbox(len(session.committed))
-        own = ServerDecoder(session, self.pacing.drafter, 0, self.verify_costs)
+        own = ServerDecoder(session, own_drafter(self.pacing.drafter, self.limits), 0,
+                            self.verify_costs)
         decoder = PacedDecoder(session, own, self.verify_costs)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox))
         try:
@@ -272,9 +273,10 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         owner = object()
         session = await self._new_session(req.open, owner)
         try:
-            decoder = ServerDecoder(session, req.drafter, req.tree_nodes, self.verify_costs)
+            decoder = ServerDecoder(session, own_drafter(req.drafter, self.limits), req.tree_nodes,
+                                    self.verify_costs)
             await self._send(context, session.opened())
-            await self._send(context, await self._on_model(session.prefill))
+            await self._send(context, await self._on_model(decoder.prefill))
             while not session.finished:
                 await self._send(context, await self._on_model(decoder.step))
             await self._send(context, session.done())

@@ -35,3 +35,9 @@ def test_package_imports_only_downward(package):
     wrong = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & FORBIDDEN[package])
              for p in files}
     assert not {f: w for f, w in wrong.items() if w}
+
+
+def test_tests_never_import_benchmarks():
+    """Benchmarks measure the product; tests check it. Neither leans on the other's code."""
+    files = sorted((ROOT / "tests").glob("*.py"))
+    assert not [str(p.relative_to(ROOT)) for p in files if "benchmarks" in imported_packages(p)]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.moa_tau import split_greedy
+from tests.in_process import split_greedy
 from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
@@ -56,9 +56,9 @@ def test_split_decoding_with_moa_equals_plain_greedy(tiny_target, tiny_drafter_d
                                                      precision):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     drafter = MoaDrafter(tiny_bundle, precision=precision, max_depth=6, beam=4, branch=4)
-    log = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
-    assert log.tokens == plain_greedy(tiny_target, PROMPT, len(log.tokens))
-    assert sum(log.per_round) / len(log.per_round) > 1.5, log.per_round  # drafts get accepted
+    tokens, per_round = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
+    assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
+    assert sum(per_round) / len(per_round) > 1.5, per_round  # drafts get accepted
 
 
 def test_activations_are_fp16_rows_of_width(tiny_target, tiny_drafter_dir):
@@ -107,10 +107,10 @@ def test_independent_baseline_feeds_its_own_memory(tiny_target, tiny_independent
     assert not drafter.needs_activations
     with pytest.raises(ValueError, match="no activations"):
         drafter.add_activations(0, np.zeros((1, drafter.width), dtype=np.float32))
-    log = split_greedy(tiny_target, None, drafter, PROMPT, 32, max_nodes=16)
-    assert log.tokens == plain_greedy(tiny_target, PROMPT, len(log.tokens))
-    assert sum(log.per_round) / len(log.per_round) > 1.2, log.per_round
-    context = PROMPT + log.tokens[:5]
+    tokens, per_round = split_greedy(tiny_target, None, drafter, PROMPT, 32, max_nodes=16)
+    assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
+    assert sum(per_round) / len(per_round) > 1.2, per_round
+    context = PROMPT + tokens[:5]
     assert drafter.propose(context, 8) == drafter.propose(context, 8)  # rewinds its memory
     drafter.reset(PROMPT)
     assert drafter.propose(context, 8) == drafter.propose(context, 8)

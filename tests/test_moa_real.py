@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.moa_tau import split_greedy
+from tests.in_process import split_greedy
 from shared.messages import ChatMessage
 
 pytestmark = pytest.mark.slow
@@ -35,7 +35,7 @@ def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path):
     server = ServerActivations.load(drafter_dir, real_target.model)
     drafter = MoaDrafter(bundle, precision=Precision.INT8)
     prompt = real_target.apply_chat_template((ChatMessage("user", PROMPT),))
-    log = split_greedy(real_target, server, drafter, prompt, 48, max_nodes=32)
+    tokens, per_round = split_greedy(real_target, server, drafter, prompt, 48, max_nodes=32)
     plain = plain_greedy(real_target, prompt, 48)
-    assert compare(real_target, prompt, log.tokens[:48], plain).lossless
-    assert sum(log.per_round) / len(log.per_round) > 1.5, log.per_round
+    assert compare(real_target, prompt, tokens[:48], plain).lossless
+    assert sum(per_round) / len(per_round) > 1.5, per_round

@@ -98,7 +98,7 @@ def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
 
 def test_training_prompts_are_not_evaluation_prompts():
     pytest.importorskip("eval_framework")
-    from benchmarks import prompts as evaluation
+    from shared import prompt_sets as evaluation
     from cloud_server.moa.data import training_prompts
 
     def key(text: str) -> str:  # near-copies too: case, punctuation and spacing aside

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from benchmarks import prompts
+from shared import prompt_sets as prompts
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import SilentListener

@@ -27,6 +27,7 @@ from typing import Hashable, Sequence
 
 import numpy as np
 
+from shared.drafting.base import TextDrafter
 from shared.drafting.trie import TokenTrie
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
@@ -49,7 +50,7 @@ class _Counts:
     step: int
 
 
-class AdedDrafter:
+class AdedDrafter(TextDrafter):
     name = "aded"
     # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS

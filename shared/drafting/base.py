@@ -17,6 +17,14 @@ from shared.tree import DraftTree
 class Drafter(Protocol):
     name: str
     sampling_acceptance: AcceptanceMode  # the rule used when sampling and none was asked for
+    max_depth: int  # the deepest tree it drafts
+    # Whether it reads the server half's activations: the session then asks for them, and
+    # every Verdict's rows go to add_activations.
+    needs_activations: bool
+
+    def add_activations(self, start: int, values: np.ndarray) -> None:
+        """The server half's rows for verified positions start, start + 1, ...:
+        values [rows, width]."""
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Starts a new generation whose committed text is `prompt`."""
@@ -34,3 +42,12 @@ class Drafter(Protocol):
                 tokens: tuple[int, ...]) -> None:
         """Learns from a verdict: `context` is the committed ids before the round, `tokens` the
         ids the round committed (accepted drafts then the target's own token)."""
+
+
+class TextDrafter:
+    """What a drafter that reads only the text has in common: no activations."""
+
+    needs_activations = False
+
+    def add_activations(self, start: int, values: np.ndarray) -> None:
+        raise ValueError(f"the {getattr(self, 'name', 'text')} drafter reads no activations")

