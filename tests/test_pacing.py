@@ -52,8 +52,8 @@ def test_inbox_wait_wakes_on_a_draft_and_times_out_without_one():
 
 
 def test_auto_waits_for_a_reply_due_within_the_allowance_only():
-    auto = AutoPace(step_s=0.03, reply_s=0.01, gain_client=2.4, gain_server=1.2)
-    assert auto.allowance_s() == pytest.approx(0.03)
+    auto = AutoPace(step_s=0.06, reply_s=0.01, gain_client=2.4, gain_server=1.2)
+    assert auto.allowance_s() == pytest.approx(0.03)  # half a step at most
     auto.sent(10, now=0.0)
     assert 0.01 <= auto.wait_s(10, now=0.0) <= 0.03  # due in 10 ms: worth waiting for
     auto.reply_s = 0.1  # due in 100 ms: the server goes on with its own candidates
