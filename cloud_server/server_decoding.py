@@ -91,9 +91,11 @@ class ServerDecoder:
         self._feed(verdict)
 
     def _feed(self, verdict: Verdict) -> None:
-        if verdict.activations is not None and self._drafter is not None:
-            self._drafter.add_activations(verdict.activations.start,
-                                          verdict.activations.values)
+        """Hands a drafter that reads activations the rows the Verdict carries (the session
+        computes them when the edge's drafter asked, whoever proposed this tree)."""
+        drafter = self._drafter
+        if verdict.activations is not None and drafter is not None and drafter.needs_activations:
+            drafter.add_activations(verdict.activations.start, verdict.activations.values)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,9 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.drafters.moa_bundle import bundle_cache_dir
 from edge_client.link import LinkError
 from shared.acceptance import AcceptanceMode
-from shared.messages import ActivationFormat, ArtifactKind, FinishReason, Limits, OpenRequest
+from shared.messages import (
+    ActivationFormat, ArtifactKind, FinishReason, Limits, OpenRequest, Pace,
+)
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from shared.sampling import SamplingParams
 from tests.server_harness import ServerThread
@@ -31,15 +33,20 @@ def moa_server(tiny_target, tiny_drafter_dir):
 def run(address: str, options: ClientOptions, prompts=PROMPTS):
     async def go():
         async with EdgeClient(address, options) as client:
-            return [await client.generate(OpenRequest(prompt_ids=p, max_new_tokens=MAX_NEW))
+            return [await client.generate(client.options.open_request(prompt_ids=p))
                     for p in prompts]
     return asyncio.run(go())
 
 
-@pytest.mark.parametrize("fmt", list(ActivationFormat))
-def test_moa_split_greedy_equals_plain(moa_server, tiny_target, fmt, tmp_path, monkeypatch):
+@pytest.mark.parametrize("fmt, pace", [(ActivationFormat.FP16, Pace.LOCKSTEP),
+                                       (ActivationFormat.INT8, Pace.LOCKSTEP),
+                                       (ActivationFormat.FP16, Pace.AUTO),
+                                       (ActivationFormat.INT8, Pace.SERVER)])
+def test_moa_split_greedy_equals_plain(moa_server, tiny_target, fmt, pace, tmp_path,
+                                       monkeypatch):
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    results = run(moa_server.address, ClientOptions("moa", 16, MAX_NEW, activation_format=fmt))
+    results = run(moa_server.address, ClientOptions("moa", 16, MAX_NEW, activation_format=fmt,
+                                                    pace=pace))
     for prompt, result in zip(PROMPTS, results):
         plain = plain_greedy(tiny_target, prompt, MAX_NEW)
         assert compare(tiny_target, prompt, result.output_ids, plain).lossless
@@ -113,8 +120,7 @@ def test_moa_sampling_through_the_server(moa_server, acceptance, tmp_path, monke
                             acceptance)
     results = run(moa_server.address, options)
     assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP_TOKEN) for r in results)
-    tokens = sum(len(r.output_ids) for r in results)
-    assert sum(r.rounds for r in results) < tokens / 1.2, "no sampled draft was accepted"
+    assert sum(r.accepted_tokens for r in results) > 0, "no sampled draft was accepted"
 
 
 def test_bundle_fetch_deadline_grows_with_its_size(moa_server):
