@@ -1,9 +1,9 @@
-"""Offline tau of the drafters: split greedy decoding in one process, no network (issue 3).
+"""Offline tau of the drafters: split greedy decoding in one process, no network.
 
 For each drafter (pld, aded, the Independent baseline, MoA, MoA with prompt-lookup nodes) the
 target verifies its trees (at most --max-nodes nodes) with greedy acceptance; for MoA the
 server half computes the fresh activations from the compacted cache and the ONNX edge drafter
-takes them, as DESIGN section 1 describes, all on one thread. Reports tau per set (tokens per
+takes them, as docs/architecture.md, Pacing describes, all on one thread. Reports tau per set (tokens per
 round, bonus included), acceptance by depth, drafting time per round, the edge's time per step
 call against a plain target decode step, and whether the output equals plain greedy.
 
@@ -61,7 +61,7 @@ def split_greedy(target, server, drafter, prompt: list[int], max_new: int,
 
 
 def plain_step_ms(target, repeat: int = 9) -> float:
-    """One plain decode step of the target after a 150-token prefix (DESIGN section 7)."""
+    """One plain decode step of the target after a 150-token prefix (docs/performance.md)."""
     from shared.tree import DraftTree
 
     cache, _ = target.prefill(list(range(100, 250)))
@@ -103,7 +103,7 @@ DRAFTERS = ("pld", "aded", "independent", "moa", "moa+lookup")
 
 
 def main() -> None:
-    from cloud_server.moa.train import INDEPENDENT
+    from cloud_server.training.moa import INDEPENDENT
     from cloud_server.moa.weights import TRAINED, WEIGHTS
 
     p = argparse.ArgumentParser(description=__doc__)

@@ -1,6 +1,6 @@
 """Split decoding under sampling: tau and tokens/s per acceptance mode, drafter and temperature.
 
-Beside greedy, at temperatures 0.7 and 1.0, for each lossless sampling rule (DESIGN section 4)
+Beside greedy, at temperatures 0.7 and 1.0, for each lossless sampling rule (docs/architecture.md, Verification)
 and each drafter asked for (pld, aded, moa), over loopback; the baseline is transformers
 `generate` sampling at the same temperature with the server's kernels (oneDNN), in one run,
 every method on each prompt in turn. Prints a table, writes it and a PNG under benchmarks/results/.

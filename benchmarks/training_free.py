@@ -4,7 +4,7 @@ In one run on one machine: plain transformers `generate` (greedy), transformers 
 decoding, and split decoding over loopback (a cloud-server process, the edge client here) for
 each drafter, on MT-Bench, HumanEval and GSM8K prompts. Prints a table of tokens/s, the speedup
 over plain `generate`, tau and server calls per token; writes the table, raw records and a PNG.
-Every split output is checked against plain greedy output (lossless, DESIGN section 4).
+Every split output is checked against plain greedy output (lossless, docs/architecture.md, Verification).
 
     python benchmarks/training_free.py --per-set 4 --max-new-tokens 128
 """

@@ -1,5 +1,5 @@
 """The server's cost model: one verification forward over a tree of n nodes vs one plain decode
-step after the same prefix (DESIGN section 7), with PyTorch's default CPU linear and with
+step after the same prefix (docs/performance.md), with PyTorch's default CPU linear and with
 oneDNN's. A node pays for itself only while it raises tau faster than it raises T_verify(n).
 
     python benchmarks/verify_cost.py

@@ -3,7 +3,7 @@
 Run once at startup on the model thread. The right tree for a fast link on a CPU server is small
 (each node adds compute), the right tree for a slow link or a GPU is large (the round trip or
 the kernel launch dominates); Sequoia (Chen et al. 2024, section 4) picks the tree from measured
-costs the same way. DESIGN section 3.4.
+costs the same way. docs/performance.md.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`cloud-server`: loads the target model and serves split decoding over gRPC.
 
-`cloud-server train-drafter ...` trains the MoA drafter instead (cloud_server/moa/train_cli.py).
+`cloud-server train-drafter ...` trains the MoA drafter instead (cloud_server/training/cli.py).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def limits_from(args: argparse.Namespace) -> Limits:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["train-drafter"]:
-        from cloud_server.moa.train_cli import main as train_drafter
+        from cloud_server.training.cli import main as train_drafter
 
         return train_drafter(argv[1:])
     args = parse_args(argv)

@@ -1,5 +1,5 @@
 """Serving a MoA drafter: its server half computes activations, its edge half goes out as a
-bundle artifact (DESIGN section 3.1).
+bundle artifact (docs/architecture.md, Drafters).
 
 The bundle (ONNX export + int8 quantization of the edge half with the target's embedding and
 head) is built once per trained drafter and cached under the cache root, keyed by the sha256 of

@@ -3,7 +3,7 @@
 Split decoding must emit exactly what plain greedy decoding emits. fp32 sums over a tree batch
 and over one token are ordered differently, so where the target's top two logits are within
 rounding of each other the two may pick different tokens; such a divergence is allowed only when
-the top-2 gap at that position is below NEAR_TIE (DESIGN section 4).
+the top-2 gap at that position is below NEAR_TIE (docs/architecture.md, Verification).
 """
 from __future__ import annotations
 

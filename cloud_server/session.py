@@ -217,7 +217,7 @@ class Session:
 
     def _accept(self, tree: DraftTree, logits: torch.Tensor, q: QRows | None = None
                 ) -> Acceptance:
-        """The session's acceptance rule on logits: [1 + n, vocab] (DESIGN section 4); row 0
+        """The session's acceptance rule on logits: [1 + n, vocab] (docs/architecture.md, Verification); row 0
         predicts the token at position len(committed)."""
         if self.acceptance is AcceptanceMode.GREEDY:
             return accept_greedy(tree, logits.argmax(-1).cpu().numpy())

@@ -2,7 +2,7 @@
 
 A session belongs to at most one stream at a time, its owner. When a stream breaks, its session
 stays, detached, for `session_idle_timeout_s` after its last activity, so the edge can resume it
-on a new stream (DESIGN section 5); a resume takes a session over even from a stream that looks
+on a new stream (docs/architecture.md, Resume and offline mode); a resume takes a session over even from a stream that looks
 alive to the server (a black-holed link is noticed by the edge first). Knows nothing of gRPC
 or of the model.
 """

@@ -2,7 +2,7 @@
 
 Knows nothing of sessions, acceptance rules or gRPC. A draft tree is verified in one forward
 pass: the pending token (committed but not yet in the cache) followed by the tree's nodes, under
-a 4D ancestor mask with positions = base + depth (DESIGN section 4; SpecInfer, Miao et al. 2024,
+a 4D ancestor mask with positions = base + depth (docs/architecture.md, Verification; SpecInfer, Miao et al. 2024,
 section 4.2). Works for any transformers causal LM whose cache is a DynamicCache of full layers.
 """
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Which drafter object a generation uses: a training-free one by name, or the MoA drafter from
-the bundle the server offers, fetched once and cached by sha256 (DESIGN section 3.1).
+the bundle the server offers, fetched once and cached by sha256 (docs/architecture.md, Drafters).
 
 Once cached, the bundle needs no server: the drafter keeps drafting offline with it.
 """

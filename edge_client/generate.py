@@ -3,7 +3,7 @@ ride out a broken link by drafting offline, then resume and let the server judge
 
 Knows the drafter and the link, not the CLI. The server is the authority on what is committed:
 the edge only ever appends the tokens a Verdict carries, and offline tokens stay apart until a
-Verdict confirms them (DESIGN section 5).
+Verdict confirms them (docs/architecture.md, Resume and offline mode).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What the edge does while the link is down: draft alone, pace reconnects, reconcile afterwards.
 
 Offline tokens are the drafter's best path, unverified. When the link is back they are sent as a
-chain; the edge keeps what the target agrees with and drops the rest (DESIGN section 5), so the
+chain; the edge keeps what the target agrees with and drops the rest (docs/architecture.md, Resume and offline mode), so the
 final text is exactly the target's. Knows the drafter, not gRPC.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pipelined drafting: draft round r+1 while round r is in flight (DESIGN sections 1 and 5).
+"""Pipelined drafting: draft round r+1 while round r is in flight (docs/architecture.md, Pacing).
 
 The guess is that the server accepts the sent tree's best path and then picks one of the
 drafter's candidates for the token after it. The next tree is drafted from there: its first

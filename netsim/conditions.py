@@ -136,7 +136,7 @@ class NetworkConditions:
         return ", ".join(parts)
 
 
-# Named profiles, one-way delay (RTT = 2 x delay_ms), the same both ways. DESIGN section 6 names
+# Named profiles, one-way delay (RTT = 2 x delay_ms), the same both ways. docs/architecture.md, Network simulation names
 # the delays and 4G's numbers; the other jitters and bandwidths are typical values.
 PROFILES: dict[str, LinkProfile] = {
     "lan": LinkProfile(delay_ms=1, bandwidth_mbit=1000),

@@ -1,4 +1,4 @@
-"""Acceptance rules: which path of a verified draft tree the target agrees with (DESIGN section 4).
+"""Acceptance rules: which path of a verified draft tree the target agrees with (docs/architecture.md, Verification).
 
 Pure functions of the tree and the target's outputs; no model, no transport. The sampling rules
 take p already warped (`shared.sampling.warp`) and are lossless: the committed tokens are

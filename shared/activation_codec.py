@@ -1,4 +1,4 @@
-"""Compact encodings of MoA activations for the wire (DESIGN 2, issue 3 item 2).
+"""Compact encodings of MoA activations for the wire (docs/protocol.md).
 
 fp16 is the default: 2 * width bytes a token (1152 B for SmolLM2's 576). int8 with one fp16
 scale per token (symmetric, per row) is the option: width + 2 bytes a token. Pure numpy; the

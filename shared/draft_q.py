@@ -1,4 +1,4 @@
-"""The drafter's q on the wire, for drafts sampled from it (DESIGN section 4, SpecInfer).
+"""The drafter's q on the wire, for drafts sampled from it (docs/architecture.md, Verification, SpecInfer).
 
 For each node whose children were drawn, the distribution they were drawn from, as its support
 (tokens) and probabilities: a drafter draws from its top-k, so that is all there is to send.

@@ -48,7 +48,7 @@ class ActivationFormat(enum.Enum):
 
 @dataclass(frozen=True)
 class ActivationRows:
-    """The server half's output for committed positions start, start + 1, ... (DESIGN 3.1)."""
+    """The server half's output for committed positions start, start + 1, ... (docs/architecture.md, Drafters)."""
 
     start: int
     values: np.ndarray = field(compare=False)  # [rows, width]

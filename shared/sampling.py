@@ -1,7 +1,7 @@
 """Sampling parameters, the warp from logits to probabilities, and seeded randomness.
 
 Edge and server both turn logits into p (or q) with `warp`, so a token's probability is the same
-function of the logits on both sides (DESIGN section 4). Knows nothing of trees, acceptance rules
+function of the logits on both sides (docs/architecture.md, Verification). Knows nothing of trees, acceptance rules
 or models; numpy only, because the edge client has no torch.
 """
 from __future__ import annotations

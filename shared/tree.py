@@ -2,7 +2,7 @@
 
 A tree continues the committed text. Node i holds `tokens[i]`; `parents[i]` is -1 for a child
 of the last committed token, otherwise an earlier node (so nodes are in topological order).
-Mask and positions are never sent; both sides derive them from `parents` (DESIGN section 4).
+Mask and positions are never sent; both sides derive them from `parents` (docs/architecture.md, Verification).
 """
 from __future__ import annotations
 

@@ -46,8 +46,8 @@ def isolated_server(tiny_target):
 def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head),
     with the Independent baseline beside it in `independent/`."""
-    from cloud_server.moa.data import Sample, answer_batch
-    from cloud_server.moa.train import Trainer, TrainSettings
+    from cloud_server.training.data import Sample, answer_batch
+    from cloud_server.training.moa import Trainer, TrainSettings
 
     prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
     answers = answer_batch(tiny_target, prompts, max_new_tokens=32)
@@ -71,7 +71,7 @@ def tiny_bundle(tiny_target, tiny_drafter_dir: Path, tmp_path_factory: pytest.Te
 def tiny_independent_bundle(tiny_target, tiny_drafter_dir: Path,
                             tmp_path_factory: pytest.TempPathFactory):
     from cloud_server.moa.bundle import build_bundle
-    from cloud_server.moa.train import INDEPENDENT
+    from cloud_server.training.moa import INDEPENDENT
 
     return build_bundle(tiny_drafter_dir / INDEPENDENT, tiny_target.model, "tiny-llama",
                         tmp_path_factory.mktemp("independent"), tiny_target.tokenizer_json())

@@ -1,4 +1,4 @@
-"""The sampling acceptance rules reproduce the target's distribution (DESIGN section 4).
+"""The sampling acceptance rules reproduce the target's distribution (docs/architecture.md, Verification).
 
 A toy target P and drafter Q give a fixed random next-token distribution for every prefix of a
 6-token vocabulary. Each trial decodes two tokens in rounds, exactly as the split decoder does:

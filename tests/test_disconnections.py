@@ -1,7 +1,7 @@
 """Disconnections at scripted moments of greedy generations on the tiny model, through the netsim
 proxy: outages that cut or black-hole the link during the prefill, mid-round and during a resume,
 a lost Verdict, and a server restart. Every case must end with exactly the plain greedy text, no
-hang past the deadlines and nothing lost (DESIGN section 5, issue 5)."""
+hang past the deadlines and nothing lost (docs/architecture.md, Resume and offline mode)."""
 from __future__ import annotations
 
 import asyncio

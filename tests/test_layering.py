@@ -4,6 +4,8 @@ lazy import inside a function counts too."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,3 +43,11 @@ def test_tests_never_import_benchmarks():
     """Benchmarks measure the product; tests check it. Neither leans on the other's code."""
     files = sorted((ROOT / "tests").glob("*.py"))
     assert not [str(p.relative_to(ROOT)) for p in files if "benchmarks" in imported_packages(p)]
+
+
+def test_the_running_server_never_imports_training_code():
+    code = ("import sys\nimport cloud_server.cli, cloud_server.server, cloud_server.service\n"
+            "import cloud_server.drafter_serving\n"
+            "bad = [m for m in sys.modules if m.startswith('cloud_server.training')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -97,7 +97,7 @@ def test_int8_graph_quantizes_the_embedding_and_head(tiny_bundle):
 
 def test_independent_memory_graph_reads_ids(tiny_target, tiny_drafter_dir, tiny_independent_bundle):
     """The baseline's memory graph takes token ids and equals the torch module."""
-    from cloud_server.moa.train import INDEPENDENT
+    from cloud_server.training.moa import INDEPENDENT
 
     _, _, edge = load_drafter(tiny_drafter_dir / INDEPENDENT, tiny_target.model)
     (ids, positions), _ = example_inputs(edge)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cloud_server.moa.boundaries import causal_mask, last_boundary
+from cloud_server.training.boundaries import causal_mask, last_boundary
 from cloud_server.moa.config import MoaConfig
 from cloud_server.moa.layers import additive_mask
 from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv, layer_kv_from_cache

@@ -86,7 +86,7 @@ def test_independent_baseline_served_without_activations(tiny_target, tiny_draft
                                                          tmp_path, monkeypatch):
     """A server given the Independent baseline offers its bundle and no activations; the edge
     runs it self-fed and stays lossless."""
-    from cloud_server.moa.train import INDEPENDENT
+    from cloud_server.training.moa import INDEPENDENT
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir / INDEPENDENT) as server:

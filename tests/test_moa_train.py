@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cloud_server.cli import main as cloud_server_main
-from cloud_server.moa.data import Sample, answer_batch
+from cloud_server.training.data import Sample, answer_batch
 from shared.drafter_bundle import Memory
-from cloud_server.moa.train import INDEPENDENT, Trainer, TrainSettings
+from cloud_server.training.moa import INDEPENDENT, Trainer, TrainSettings
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
 
@@ -99,7 +99,7 @@ def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
 def test_training_prompts_are_not_evaluation_prompts():
     pytest.importorskip("eval_framework")
     from shared import prompt_sets as evaluation
-    from cloud_server.moa.data import training_prompts
+    from cloud_server.training.data import training_prompts
 
     def key(text: str) -> str:  # near-copies too: case, punctuation and spacing aside
         return re.sub(r"\W+", " ", text.lower()).strip()[:60]

@@ -4,7 +4,7 @@ Hook it right after verification: once `keep_path` has compacted the cache to th
 text, cache positions [start, end) are the tokens that this round verified (the previous pending
 token and the accepted drafts; the new bonus token is not in the cache yet, so its activation
 comes with the next verdict). After the prompt's prefill, [0, len(prompt)). Knows nothing of
-sessions or the wire: it returns an array, fp16 by default (DESIGN 2: 2 * width bytes a token).
+sessions or the wire: it returns an array, fp16 by default (docs/protocol.md: 2 * width bytes a token).
 """
 from __future__ import annotations
 

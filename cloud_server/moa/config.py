@@ -1,11 +1,11 @@
 """Sizes of the MoA drafter, read from the target's transformers config; saved as JSON.
 
 The JSON is also what the edge reads from the bundle (edge_client/drafters/moa.py), so it holds
-plain numbers only. Defaults follow DESIGN section 3.1: the edge's Self-Attention and
+plain numbers only. Defaults follow docs/architecture.md, Drafters: the edge's Self-Attention and
 Cross-Attention blocks are each the size of one target layer, and the server's Layer
 Self-Attention works at the width of one layer's K and V (2 * kv_heads * head_dim).
 `draft_vocab` optionally restricts the draft head to the most frequent tokens of the target's
-own answers (DESIGN 3.1): the head is most of the edge's work and of training's.
+own answers (docs/architecture.md, Drafters): the head is most of the edge's work and of training's.
 `memory` says what the Cross-Attention reads: the target's activations (the MoA drafter), or
 the tokens' own embeddings (the paper's "Independent" baseline: the same network, blind to the
 target's states, so the pair measures what the activations are worth).

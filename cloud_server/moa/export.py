@@ -1,4 +1,4 @@
-"""The edge half as ONNX graphs whose K/V state lives outside them (DESIGN 3.1, issue 3 item 4).
+"""The edge half as ONNX graphs whose K/V state lives outside them (docs/architecture.md, Drafters).
 
 Two graphs, batch dimension dropped (the edge drafts one text):
 - `memory.onnx`: activations: [m, width] f32, positions: [m] i64 -> mem_keys, mem_values:

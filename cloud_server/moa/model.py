@@ -1,6 +1,6 @@
 """The two halves of the Mixture-of-Attentions drafter (Zimmer et al., arXiv 2410.03804).
 
-Knows nothing of training, sessions or the wire. Section 3 of the paper, split per DESIGN 3.1:
+Knows nothing of training, sessions or the wire. Section 3 of the paper, split per docs/architecture.md, Drafters:
 
 - `ServerHalf`: Layer Self-Attention (paper 3.1, "LSA") over one token's per-layer K and V of the
   target, treated as a sequence of `target_layers` entries, then a mean over layers and a

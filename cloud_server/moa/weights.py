@@ -1,7 +1,7 @@
 """The trained drafter on disk: `moa.safetensors` (fp16, the trained part only) + `moa_config.json`.
 
 The shared embedding, final norm and LM head are not saved: they are the target's, and are
-attached again from the target model on load (DESIGN 3.1, keep the committed weights small).
+attached again from the target model on load (docs/architecture.md, Drafters, keep the committed weights small).
 Drafters trained for a target ship in `trained/<model id>/` (`committed_drafter`).
 """
 from __future__ import annotations

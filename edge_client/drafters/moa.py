@@ -1,6 +1,6 @@
 """The Mixture-of-Attentions drafter on the edge: the exported edge half run with onnxruntime.
 
-Zimmer et al., arXiv 2410.03804, split per DESIGN 3.1: the server sends the activations of
+Zimmer et al., arXiv 2410.03804, split per docs/architecture.md, Drafters: the server sends the activations of
 verified positions (`add_activations`); this side keeps the Cross-Attention K/V of that memory
 and the Self-Attention K/V of the committed text, and drafts autoregressively from them, so it
 can draft past the last verified position.

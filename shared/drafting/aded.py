@@ -2,7 +2,7 @@
 upper-confidence bonus learned from verdicts.
 
 Taken from ADED (Liu et al. 2024, "Adaptive Draft-Verification for Efficient Large Language Model
-Decoding", arXiv 2407.12021; liuxukun2000/Adaptix), DESIGN section 3.3:
+Decoding", arXiv 2407.12021; liuxukun2000/Adaptix), docs/architecture.md, Drafters:
   - the tri-gram "LLM representative": (prev2, prev1) -> counts of next tokens, updated with every
     token the target commits, so the draft distribution follows the running text;
   - a draft construction that balances exploitation (likely tokens) against exploration
@@ -11,8 +11,8 @@ Decoding", arXiv 2407.12021; liuxukun2000/Adaptix), DESIGN section 3.3:
 Not taken, or this implementation's own choices:
   - no pre-built corpus matrix (the paper's draftretriever datastore): the table starts from the
     prompt alone and grows with the generation;
-  - no MCTS simulations or PUCT visit counts: one best-first expansion (EAGLE-2's rule, DESIGN
-    section 3.4) whose node value is the product over its path of table probability times a
+  - no MCTS simulations or PUCT visit counts: one best-first expansion (EAGLE-2's rule, see
+    docs/architecture.md) whose node value is the product over its path of table probability times a
     UCB1 bound on how often drafts from that tri-gram context were accepted in past verdicts;
   - back-off to a bigram (prev1) table for unseen pairs, and exponential forgetting of old counts
     (per committed token) so recent text outweighs old text.

@@ -1,7 +1,7 @@
 """The drafter interface: propose a tree from the committed text, then learn from the verdict.
 
 Same two-method shape as transformers' candidate generators (get_candidates /
-update_candidate_strategy), DESIGN section 3.
+update_candidate_strategy), docs/architecture.md, Drafters.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ a_i is the measured rate at which the i-th best node was on the accepted path (d
 nodes best first, so the best n are always the first n). It costs T_verify(n), which the server
 measured and reported in Info, plus everything else in a round (link, serialization, drafting),
 which the client measures from its own rounds. Sequoia (Chen et al. 2024, section 4) sizes trees
-from measured costs the same way; DESIGN sections 3.4 and 7.
+from measured costs the same way; docs/performance.md.
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 
 Prompt lookup decoding (Saxena 2023, apoorvumang/prompt-lookup-decoding; transformers'
 `prompt_lookup_num_tokens`) drafts one continuation of the longest matching n-gram. Here several
-matches, longest n-gram first and most recent first, are merged into one tree (DESIGN section
-3.3), so when the text has repeated a phrase with different endings each ending gets a branch.
+matches, longest n-gram first and most recent first, are merged into one tree
+(docs/architecture.md, Drafters), so when the text has repeated a phrase with different endings each ending gets a branch.
 Needs no model and learns nothing from verdicts beyond the committed text itself.
 """
 from __future__ import annotations

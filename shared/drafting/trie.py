@@ -1,7 +1,7 @@
 """A token trie that merges scored draft sequences and keeps the best nodes as one DraftTree.
 
-Shared by the training-free drafters (DESIGN section 3.3): they find candidate continuations,
-the trie merges common prefixes so a shared prefix is drafted once (DESIGN section 3.4, after
+Shared by the training-free drafters (docs/architecture.md, Drafters): they find candidate continuations,
+the trie merges common prefixes so a shared prefix is drafted once (docs/performance.md, after
 Graph-structured SD), and EAGLE-2's rule keeps the `max_nodes` highest-scored nodes. It knows
 nothing of how the candidates were found.
 """

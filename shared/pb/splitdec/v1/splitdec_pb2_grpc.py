@@ -83,7 +83,7 @@ class SplitDecodingServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Generate(self, request, context):
-        """The baselines split decoding is measured against (DESIGN section 7): the server generates
+        """The baselines split decoding is measured against (docs/performance.md): the server generates
         alone, token by token or speculating with a drafter of its own, and streams what it commits:
         Opened, one Verdict per forward pass, Done. Same limits and errors as Decode.
         """

@@ -1,6 +1,6 @@
 """Training text for the drafter: training prompts answered by the frozen target itself.
 
-On-policy self-distillation (DESIGN 3.1 and 9): the drafter must predict what *this* target
+On-policy self-distillation (docs/architecture.md, Drafters): the drafter must predict what *this* target
 writes, so the target answers the prompts greedily (the acceptance the tau target is set for)
 and the answers are cached on disk, one JSON line per prompt, so a resumed run skips what is
 done. Prompts are Arena-Hard v2, IFEval, AlpacaEval and IFBench from the PyPI package

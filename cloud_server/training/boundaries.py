@@ -1,4 +1,4 @@
-"""Which activations each training position may see: the verified boundary (DESIGN 3.1).
+"""Which activations each training position may see: the verified boundary (docs/architecture.md, Drafters).
 
 At inference the server sends activations after each round for every committed token but the
 last (the bonus token is not in its cache yet), so the edge drafts the token after position i

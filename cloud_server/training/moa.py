@@ -1,4 +1,4 @@
-"""Self-distillation of the MoA drafter from the frozen target (paper section 4, DESIGN 3.1).
+"""Self-distillation of the MoA drafter from the frozen target (paper section 4, docs/architecture.md, Drafters).
 
 Per batch: the target runs once over prompt + its own answer (no grad) and gives every
 position's per-layer K/V (the server half's input) and its last hidden state after the final
@@ -16,13 +16,11 @@ boundaries and teacher pass: the same edge network whose Cross-Attention reads t
 tokens' own embeddings instead of the server half's activations (Memory.EMBEDDINGS). The
 students share no parameter, so one optimizer over both with the losses summed trains each
 exactly as alone; gradients are clipped per student.
-Knows nothing of where the samples come from (data.py) or of the command line (train_cli.py).
+Knows nothing of where the samples come from (data.py) or of the command line (cli.py).
 """
 from __future__ import annotations
 
 import math
-import random
-from collections import Counter
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -31,10 +29,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cloud_server.moa.boundaries import causal_mask, cross_mask
+from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
+from cloud_server.training.boundaries import causal_mask, cross_mask
 from cloud_server.moa.config import MoaConfig
 from shared.drafter_bundle import Memory
-from cloud_server.moa.data import Sample
+from cloud_server.training.data import Sample
 from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv
 from cloud_server.moa.weights import save_weights
 
@@ -56,61 +55,6 @@ class TrainSettings:
     independent: bool = False  # also train the Independent baseline (written to OUT/independent)
     checkpoint_every: int = 50
     seed: int = 0
-
-
-@dataclass(frozen=True)
-class Batch:
-    ids: torch.Tensor  # [batch, T], right-padded
-    attention: torch.Tensor  # [batch, T], 1 on real tokens
-    select: torch.Tensor  # [batch, T] bool: positions whose next token is an answer token
-    prompt_lens: list[int]
-
-
-def rank_vocab(samples: list[Sample], size: int, keep: tuple[int, ...],
-               vocab_size: int) -> torch.Tensor:
-    """A draft head's `size` token ids: `keep` (the stop tokens), then answer tokens by
-    frequency, then prompt tokens by frequency, then the lowest ids not in yet (BPE ids grow
-    roughly with rarity). Filling matters: 517 answers of SmolLM2 held only 5.5k distinct
-    tokens, which covered just 80-85% of the evaluation prompts' tokens."""
-    ranked = dict.fromkeys(keep)
-    for counts in (Counter(t for s in samples for t in s.answer_ids),
-                   Counter(t for s in samples for t in s.prompt_ids)):
-        by_count = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
-        ranked |= dict.fromkeys(t for t, _ in by_count)
-    ranked |= dict.fromkeys(range(vocab_size))
-    return torch.tensor(list(ranked)[:size])
-
-
-def make_batches(samples: list[Sample], settings: TrainSettings, epoch: int) -> list[list[int]]:
-    """Sample indices per batch: similar lengths together (the same batches every epoch), in an
-    order shuffled per epoch."""
-    order = sorted(range(len(samples)), key=lambda i: (_length(samples[i], settings), i))
-    batches, current = [], []
-    for i in order:  # ascending length: the newest sample sets the padded width
-        if current and _length(samples[i], settings) * (len(current) + 1) > settings.batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    batches.append(current)
-    random.Random(settings.seed * 1000 + epoch).shuffle(batches)
-    return batches
-
-
-def _length(sample: Sample, settings: TrainSettings) -> int:
-    return min(len(sample.prompt_ids) + len(sample.answer_ids), settings.max_len)
-
-
-def collate(samples: list[Sample], pad: int, max_len: int, device: torch.device) -> Batch:
-    seqs = [list(s.prompt_ids + s.answer_ids)[:max_len] for s in samples]
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [pad] * (width - len(s)) for s in seqs], device=device)  # [b, T]
-    positions = torch.arange(width, device=device)[None]  # [1, T]
-    lengths = torch.tensor([len(s) for s in seqs], device=device)[:, None]  # [b, 1]
-    prompt = torch.tensor([len(s.prompt_ids) for s in samples], device=device)[:, None]
-    # Position i predicts token i + 1; the server itself gives the answer's first token, so the
-    # drafter's job starts at the first answer position (boundaries.py).
-    select = (positions >= prompt) & (positions < lengths - 1)  # [b, T]
-    return Batch(ids, (positions < lengths).long(), select, prompt[:, 0].tolist())
 
 
 @torch.no_grad()
@@ -226,7 +170,9 @@ class Trainer:
 
     def _batches(self, epoch: int) -> list[list[int]]:
         if epoch not in self._epochs:
-            self._epochs[epoch] = make_batches(self.samples, self.settings, epoch)
+            settings = self.settings
+            self._epochs[epoch] = make_batches(self.samples, settings.batch_tokens,
+                                               settings.max_len, settings.seed, epoch)
         return self._epochs[epoch]
 
     def train_step(self, batch: Batch) -> dict[str, float]:

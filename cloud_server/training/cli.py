@@ -19,7 +19,7 @@ SUMMARY = "training.json"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from cloud_server.moa.train import TrainSettings
+    from cloud_server.training.moa import TrainSettings
 
     d = TrainSettings()
     p = argparse.ArgumentParser(prog="cloud-server train-drafter", description=__doc__)
@@ -50,8 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     from cloud_server import model_store
-    from cloud_server.moa import data
-    from cloud_server.moa.train import CHECKPOINT, Trainer, TrainSettings
+    from cloud_server.training import data
+    from cloud_server.training.moa import CHECKPOINT, Trainer, TrainSettings
     from cloud_server.target import TargetModel
 
     if (args.out / CHECKPOINT).exists() and not args.resume:
