@@ -14,6 +14,7 @@ import time
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
 from shared.acceptance import AcceptanceMode
+from shared.draft_q import Proposal
 from shared.drafting.budget import TreeBudget
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot
@@ -31,20 +32,20 @@ class PacedDecoder:
     def step(self, draft: DraftRequest | None, queued_at: float) -> Verdict:
         start = time.perf_counter()
         context = list(self.session.committed)
-        client = None if draft is None else reroot(draft.tree, draft.base_length, context, draft.q)
+        client = (None if draft is None
+                  else reroot(draft.tree, draft.base_length, context, draft.q))
         if client is None:
-            tree, q = self.own.propose(context)
-            verdict = self.session.advance(tree, q, queued_at)
-            self.own.learn(context, tree, verdict, start)
+            own = self.own.propose(context)
+            verdict = self.session.advance(own, queued_at)
+            self.own.learn(context, own.tree, verdict, start)
             return verdict
-        tree, q = client.tree, client.q
+        tree = client.proposal.tree
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
             # Any tree is lossless under these rules; a sampled one must stay as drawn.
-            own, _ = self.own.propose(context)
-            tree = tree.merged(own, self.session.limits.max_tree_nodes)
+            tree = tree.merged(self.own.propose(context).tree, self.session.limits.max_tree_nodes)
             tree = tree.prefix(self._budget.nodes())
-        verdict = self.session.advance(tree, q, queued_at, draft.round_id,
-                                       min(len(client.tree), len(tree)))
+        verdict = self.session.advance(Proposal(tree, client.proposal.q), queued_at,
+                                       draft.round_id, min(len(client.proposal.tree), len(tree)))
         self._budget.observe(len(tree), tree.walk(verdict.tokens[:-1]), verdict.verify_ms,
                              verdict.verify_ms)
         return verdict

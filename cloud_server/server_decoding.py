@@ -15,7 +15,7 @@ from shared.drafting.budget import TreeBudget
 from shared.drafting import DRAFTERS, make_drafter
 from shared.drafting.base import Drafter
 from shared.acceptance import AcceptanceMode
-from shared.draft_q import NodeQ
+from shared.draft_q import Proposal
 from shared.errors import InvalidRequest
 from shared.messages import ActivationFormat, Limits, OpenRequest, Verdict
 from shared.sampling import RngStream, round_rng
@@ -61,19 +61,19 @@ class ServerDecoder:
         """One target forward: a plain decoding step, or one drafted tree verified."""
         start = time.perf_counter()
         context = list(self.session.committed)
-        tree, q = self.propose(context)
-        verdict = self.session.advance(tree, q)
-        self.learn(context, tree, verdict, start)
+        proposal = self.propose(context)
+        verdict = self.session.advance(proposal)
+        self.learn(context, proposal.tree, verdict, start)
         return verdict
 
-    def propose(self, context: list[int]) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+    def propose(self, context: list[int]) -> Proposal:
         """The drafter's candidates continuing `context` (empty without a drafter)."""
         if self._drafter is None:
-            return PLAIN, ()
+            return Proposal(PLAIN)
         start = time.perf_counter()
         nodes = self._budget.nodes()
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
-            proposal = self._drafter.propose(context, nodes), ()
+            proposal = Proposal(self._drafter.propose(context, nodes))
         else:
             rng = round_rng(self.session.seed, RngStream.DRAFT, len(context))
             proposal = self._drafter.propose_sampled(context, nodes, rng)

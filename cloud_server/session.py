@@ -21,7 +21,7 @@ from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
     accept_topk_drafts,
 )
-from shared.draft_q import NodeQ, QRows
+from shared.draft_q import NodeQ, Proposal, QRows
 from shared.errors import InvalidRequest, OutOfOrder
 from shared.messages import (
     ActivationRows, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace,
@@ -167,16 +167,16 @@ class Session:
         self._check_order(draft)
         draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
                             self.limits.max_tree_depth)
-        return self.advance(draft.tree, draft.q, queued_at, draft.round_id)
+        return self.advance(Proposal(draft.tree, draft.q), queued_at, draft.round_id)
 
-    def advance(self, tree: DraftTree, q: tuple[NodeQ, ...] = (),
-                queued_at: float | None = None, draft_id: int = 0,
+    def advance(self, proposal: Proposal, queued_at: float | None = None, draft_id: int = 0,
                 client_nodes: int | None = None) -> Verdict:
         """Verifies a tree (a client's, validated; or the server's own; empty: a plain decoding
         step), with the q its drafts were sampled from under acceptance sampled-drafts. The
         tree's first `client_nodes` nodes (all when None) come from client draft `draft_id`;
         the Verdict names only those among the accepted nodes."""
-        q_rows = self._q_rows(tree, q)
+        tree = proposal.tree
+        q_rows = self._q_rows(tree, proposal.q)
         start = time.perf_counter()
         base = len(self.committed) - 1
         logits = self.target.forward_tree(self._cache, self.committed[-1], tree)

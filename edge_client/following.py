@@ -44,4 +44,4 @@ class DraftFollower:
             return None
         self._live = None
         rerooted = reroot(live.tree, live.base_length, context)
-        return None if rerooted is None else rerooted.tree
+        return None if rerooted is None else rerooted.proposal.tree

@@ -20,7 +20,7 @@ from edge_client.following import DraftFollower
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.acceptance import AcceptanceMode
-from shared.draft_q import NodeQ, point_masses
+from shared.draft_q import Proposal, point_masses
 from shared.messages import (
     Done, DraftRequest, FinishReason, OpenRequest, Opened, Pace, Resume, Verdict,
 )
@@ -198,9 +198,10 @@ class SplitGeneration:
         self._outage = None
 
     async def _round(self, stream: DecodeStream) -> None:
-        tree, q, checking_offline = self._next_tree()
+        proposal, checking_offline = self._next_tree()
+        tree = proposal.tree
         sent = time.perf_counter()
-        await stream.send(DraftRequest(self._next_round, len(self.context), tree, q))
+        await stream.send(DraftRequest(self._next_round, len(self.context), tree, proposal.q))
         speculation = None
         if self.policy.pipeline and not checking_offline and not self._sampled_drafts:
             speculation = Speculation.draft(self.drafter, self.context, tree, self.budget.nodes())
@@ -231,12 +232,12 @@ class SplitGeneration:
                 await self._answer(stream, follower)
 
     async def _answer(self, stream: DecodeStream, follower: "DraftFollower") -> None:
-        if follower.continues(self.context):
-            tree, q = DraftTree((), ()), ()
-        else:
-            tree, q, _ = self._next_tree()
-            self.result.drafted_tokens += len(tree)
-        await stream.send(follower.sent(DraftRequest(0, len(self.context), tree, q)))
+        proposal = Proposal(DraftTree((), ()))  # an acknowledgement
+        if not follower.continues(self.context):
+            proposal, _ = self._next_tree()
+            self.result.drafted_tokens += len(proposal.tree)
+        await stream.send(follower.sent(DraftRequest(0, len(self.context), proposal.tree,
+                                                     proposal.q)))
 
     def _learn(self, tree: DraftTree | None, verdict: Verdict) -> None:
         """What a paced Verdict teaches: `tree` is the edge's draft it verified, re-rooted at
@@ -252,30 +253,33 @@ class SplitGeneration:
     def _sampled_drafts(self) -> bool:
         return self.opened.acceptance is AcceptanceMode.SAMPLED_DRAFTS
 
-    def _next_tree(self) -> tuple[DraftTree, tuple[NodeQ, ...], bool]:
-        """The tree to send, the q its drafts were drawn from (acceptance sampled-drafts only),
-        and whether it is offline text being checked."""
+    def _next_tree(self) -> tuple[Proposal, bool]:
+        """The tree to send with the q its drafts were drawn from (acceptance sampled-drafts
+        only), and whether it is offline text being checked."""
         if self.offline:
-            return *self._with_q(DraftTree.chain(self.offline[: self.max_chain]), ()), True
-        tree, q, self._ready_tree = self._ready_tree, (), None
-        if tree is None:
-            start = time.perf_counter()
-            tree, q = self._draft()
-            self.result.draft_s += time.perf_counter() - start
-        return *self._with_q(tree or fallback_tree(self.context), q), False
+            return self._with_q(Proposal(DraftTree.chain(self.offline[: self.max_chain]))), True
+        ready, self._ready_tree = self._ready_tree, None
+        if ready is not None:
+            return self._with_q(Proposal(ready)), False
+        start = time.perf_counter()
+        proposal = self._draft()
+        self.result.draft_s += time.perf_counter() - start
+        if not len(proposal.tree):
+            proposal = Proposal(fallback_tree(self.context))
+        return self._with_q(proposal), False
 
-    def _draft(self) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+    def _draft(self) -> Proposal:
         if not self._sampled_drafts:
-            return self.drafter.propose(self.context, self.budget.nodes()), ()
+            return Proposal(self.drafter.propose(self.context, self.budget.nodes()))
         rng = round_rng(self.opened.seed, RngStream.DRAFT, len(self.context))
         return self.drafter.propose_sampled(self.context, self.budget.nodes(), rng)
 
-    def _with_q(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+    def _with_q(self, proposal: Proposal) -> Proposal:
         """Under sampled-drafts, a chain chosen without drawing (offline text, the fallback
         guess) goes with point masses as its q."""
-        if self._sampled_drafts and not q:
-            q = point_masses(tree)
-        return tree, q
+        if self._sampled_drafts and not proposal.q:
+            return Proposal(proposal.tree, point_masses(proposal.tree))
+        return proposal
 
     def _take_speculation(self, speculation: Speculation | None, verdict: Verdict) -> None:
         if speculation is None:

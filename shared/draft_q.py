@@ -19,6 +19,15 @@ MAX_SUPPORT = 64  # tokens per node's q
 
 
 @dataclass(frozen=True)
+class Proposal:
+    """A drafted tree and, under acceptance sampled-drafts, for every node whose children were
+    drawn, the q they were drawn from (empty for a tree chosen without drawing)."""
+
+    tree: DraftTree
+    q: tuple["NodeQ", ...] = ()
+
+
+@dataclass(frozen=True)
 class NodeQ:
     node: int  # ROOT: the distribution the first level was drawn from
     tokens: tuple[int, ...]

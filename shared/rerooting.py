@@ -16,15 +16,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from shared.draft_q import NodeQ
+from shared.draft_q import NodeQ, Proposal
 from shared.tree import ROOT, DraftTree
 
 
 @dataclass(frozen=True)
 class Rerooted:
-    tree: DraftTree  # continues the committed text at its new length
+    proposal: Proposal  # continues the committed text at its new length; q re-indexed to it
     nodes: tuple[int, ...]  # nodes[i]: the index in the original draft of the tree's node i
-    q: tuple[NodeQ, ...] = ()  # re-indexed to `tree` (acceptance sampled-drafts only)
 
 
 def reroot(tree: DraftTree, base_length: int, committed: Sequence[int],
@@ -44,5 +43,5 @@ def reroot(tree: DraftTree, base_length: int, committed: Sequence[int],
     index = {anchor: ROOT, **{old: new for new, old in enumerate(nodes)}}
     kept_q = tuple(NodeQ(index[row.node], row.tokens, row.probs) for row in q
                    if row.node in index)
-    return Rerooted(sub, nodes, kept_q)
+    return Rerooted(Proposal(sub, kept_q), nodes)
 

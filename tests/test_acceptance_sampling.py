@@ -379,8 +379,9 @@ def decode_pairs_sampled(max_nodes: int, q_sent: Callable[[tuple], tuple],
     for _ in range(trials):
         text = PROMPT
         while len(text) < len(PROMPT) + 2:
-            tree, qs = build(text, max_nodes, draw)
-            q_rows = QRows(tree, q_sent(qs), VOCAB)
+            proposal = build(text, max_nodes, draw)
+            tree = proposal.tree
+            q_rows = QRows(tree, q_sent(proposal.q), VOCAB)
             text += accept_sampled_drafts(tree, rows(P, text, tree), q_rows, verify, True).tokens
         counts[text[len(PROMPT)], text[len(PROMPT) + 1]] += 1
     return counts
@@ -412,7 +413,8 @@ def paced(client: Callable[[tuple[int, ...]], DraftTree],
         own = DraftTree((), ()) if server is None else server(text)
         if rerooted is None:
             return own
-        return rerooted.tree if server is None else rerooted.tree.merged(own, 64)
+        tree = rerooted.proposal.tree
+        return tree if server is None else tree.merged(own, 64)
     return propose
 
 

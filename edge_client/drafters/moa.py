@@ -30,7 +30,7 @@ from shared.drafting.pld import PromptLookupDrafter
 from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
-from shared.draft_q import NodeQ
+from shared.draft_q import NodeQ, Proposal
 from shared.tree import ROOT, DraftTree
 
 LOOKUP_NODES = 16  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
@@ -147,7 +147,7 @@ class MoaDrafter:
         return self._model_tree(context, max_nodes - len(lookup)).merged(lookup, max_nodes)
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int, rng: np.random.Generator
-                        ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+                        ) -> Proposal:
         """Drafts drawn from q = the network's top-k distribution, renormalised
         (`sampled_tree`). No prompt-lookup nodes: they were not drawn from q."""
         if not context or max_nodes < 1 or not self._ready(context):
@@ -255,7 +255,7 @@ Expand = Callable[[_Candidates, list[int]], tuple[np.ndarray, np.ndarray]]
 def sampled_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand, max_nodes: int,
                  max_depth: int, beam: int, rng: np.random.Generator,
                  widths: tuple[int, int] = SAMPLED_WIDTHS
-                 ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+                 ) -> Proposal:
     """A tree whose children are draws from q, for acceptance sampled-drafts, and those q.
 
     `first` is the root's top-k (log q, ids); q at a node is its top-k renormalised in
@@ -293,7 +293,7 @@ def sampled_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand, max_nodes
         top_logprobs, top_ids = expand(nodes, [node for node, _ in plan])
         for row, (node, width) in enumerate(plan):
             draw(node, top_logprobs[row], top_ids[row], width)
-    return DraftTree(tuple(nodes.tokens), tuple(nodes.parents)), tuple(qs)
+    return Proposal(DraftTree(tuple(nodes.tokens), tuple(nodes.parents)), tuple(qs))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -30,7 +30,7 @@ import numpy as np
 from shared.drafting.base import TextDrafter
 from shared.drafting.trie import TokenTrie
 from shared.acceptance import AcceptanceMode
-from shared.draft_q import NodeQ
+from shared.draft_q import Proposal
 from shared.tree import ROOT, DraftTree
 
 NO_TOKEN = -1  # prev2 before the text's first token
@@ -83,15 +83,15 @@ class AdedDrafter(TextDrafter):
         return self._proposed
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int,
-                        rng: np.random.Generator) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+                        rng: np.random.Generator) -> Proposal:
         """Drafts drawn from q = the n-gram counts after each context (its top_k), normalised,
         out of a candidate trie searched a few times wider than the budget."""
         if len(context) < self._learned:
             self.reset(context)
         self._learn(context)
-        tree, qs = self._search(context, SAMPLED_SEARCH * max_nodes).sampled_tree(max_nodes, rng)
-        self._proposed = tree
-        return tree, qs
+        proposal = self._search(context, SAMPLED_SEARCH * max_nodes).sampled_tree(max_nodes, rng)
+        self._proposed = proposal.tree
+        return proposal
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:

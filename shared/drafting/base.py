@@ -10,7 +10,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from shared.acceptance import AcceptanceMode
-from shared.draft_q import NodeQ
+from shared.draft_q import Proposal
 from shared.tree import DraftTree
 
 
@@ -34,7 +34,7 @@ class Drafter(Protocol):
         May be empty when the drafter has nothing to offer."""
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int, rng: np.random.Generator
-                        ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+                        ) -> Proposal:
         """For acceptance sampled-drafts: a tree whose children were drawn from q without
         replacement, and for every node with children the q they were drawn from."""
 

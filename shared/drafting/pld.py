@@ -15,7 +15,7 @@ import numpy as np
 from shared.drafting.base import TextDrafter
 from shared.drafting.trie import TokenTrie
 from shared.acceptance import AcceptanceMode
-from shared.draft_q import NodeQ
+from shared.draft_q import Proposal
 from shared.tree import DraftTree
 
 
@@ -51,7 +51,7 @@ class PromptLookupDrafter(TextDrafter):
         return self._trie(context).best_tree(max_nodes)
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int,
-                        rng: np.random.Generator) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+                        rng: np.random.Generator) -> Proposal:
         """Drafts drawn from q = the matches' evidence for each continuation, normalised."""
         return self._trie(context).sampled_tree(max_nodes, rng)
 

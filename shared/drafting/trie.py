@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from shared.draft_q import NodeQ
+from shared.draft_q import NodeQ, Proposal
 from shared.tree import ROOT, DraftTree
 
 SAMPLED_WIDTHS = (4, 2)  # children drawn per expanded node: at the first level, then deeper
@@ -73,7 +73,7 @@ class TokenTrie:
 
     def sampled_tree(self, max_nodes: int, rng: np.random.Generator,
                      widths: tuple[int, int] = SAMPLED_WIDTHS
-                     ) -> tuple[DraftTree, tuple[NodeQ, ...]]:
+                     ) -> Proposal:
         """A tree whose children are draws from q, for acceptance sampled-drafts, and those q.
 
         A node's q is its trie children's scores, normalised (in float32, as the wire carries
@@ -99,7 +99,7 @@ class TokenTrie:
             for j in np.argsort(-keys)[:width]:
                 kept.append(kids[j])
                 heapq.heappush(heap, (neg_prob * float(q[j]), kids[j], len(kept) - 1))
-        return self._tree(kept), tuple(qs)
+        return Proposal(self._tree(kept), tuple(qs))
 
     def _tree(self, kept: list[int]) -> DraftTree:
         """The kept trie nodes (parents before children) as a DraftTree, in that order."""
