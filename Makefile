@@ -10,6 +10,7 @@ demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 install: $(STAMP)

@@ -32,7 +32,7 @@ def use_onednn_linear(model: torch.nn.Module) -> int:
     if not linears or not onednn_available() or not _agrees(linears[0]):
         return 0
     for layer in linears:
-        layer.forward = types.MethodType(_onednn_linear, layer)
+        layer.forward = types.MethodType(_onednn_linear, layer)  # type: ignore[method-assign]
     return len(linears)
 
 

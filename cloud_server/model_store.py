@@ -59,7 +59,7 @@ def convert_gguf(source: Path, target: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
     # The loaded weights are plain dequantized tensors; drop the GGUF marker so they serialize.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]  # nn.Module's setattr stub
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)

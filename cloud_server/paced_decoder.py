@@ -34,7 +34,7 @@ class PacedDecoder:
         context = list(self.session.committed)
         client = (None if draft is None
                   else reroot(draft.tree, draft.base_length, context, draft.q))
-        if client is None:
+        if draft is None or client is None:
             own = self.own.propose(context)
             verdict = self.session.advance(own, queued_at)
             self.own.learn(context, own.tree, verdict, start)

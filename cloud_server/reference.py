@@ -22,9 +22,10 @@ def plain_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_tokens:
     """transformers `generate`, greedy, stopping at the target's stop tokens (kept)."""
     ids = torch.tensor([list(prompt_ids)], device=target.device)
     stops = list(target.stop_token_ids())
-    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                max_new_tokens=max_new_tokens, eos_token_id=stops,
-                                pad_token_id=stops[0], top_p=None, top_k=None, temperature=None)
+    generate = target.model.generate  # causal LMs mix it in; PreTrainedModel's stub lacks it
+    out = generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,  # type: ignore[operator]
+                   max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=stops[0],
+                   top_p=None, top_k=None, temperature=None)
     return out[0, ids.shape[1]:].tolist()
 
 

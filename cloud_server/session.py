@@ -62,7 +62,14 @@ class Session:
         self.lead = request.lead
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
-        self._cache = None
+        self._cache: DynamicCache | None = None
+
+    @property
+    def _kv(self) -> DynamicCache:
+        """The committed text's KV cache (all but the pending token)."""
+        if self._cache is None:
+            raise RuntimeError(f"session {self.id} has no cache: prefill it first")
+        return self._cache
 
     @property
     def generated(self) -> int:
@@ -179,10 +186,10 @@ class Session:
         q_rows = self._q_rows(tree, proposal.q)
         start = time.perf_counter()
         base = len(self.committed) - 1
-        logits = self.target.forward_tree(self._cache, self.committed[-1], tree)
+        logits = self.target.forward_tree(self._kv, self.committed[-1], tree)
         self.rounds += 1
         acceptance = self._accept(tree, logits, q_rows)
-        keep_path(self._cache, base, acceptance.accepted_nodes)
+        keep_path(self._kv, base, acceptance.accepted_nodes)
         tokens = self._commit(acceptance.tokens)
         limit = len(tree) if client_nodes is None else client_nodes
         accepted = tuple(i for i in acceptance.accepted_nodes[: len(tokens)] if i < limit)
@@ -201,10 +208,10 @@ class Session:
             verify_ms=1000 * (time.perf_counter() - start), draft_id=draft_id)
 
     def _activations(self, first: int) -> ActivationRows | None:
-        end = self._cache.get_seq_length()
-        if self._activation_format is None or first >= end:
+        end = self._kv.get_seq_length()
+        if self._activation_source is None or self._activation_format is None or first >= end:
             return None
-        rows = self._activation_source(self._cache, first, end)  # [end - first, width]
+        rows = self._activation_source(self._kv, first, end)  # [end - first, width]
         return ActivationRows(first, rows, self._activation_format)
 
     def _q_rows(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> QRows | None:
@@ -228,6 +235,7 @@ class Session:
         # across a session rebuilt from its history (its round count starts again).
         rng = round_rng(self.seed, RngStream.VERIFY, len(self.committed))
         if self.acceptance is AcceptanceMode.SAMPLED_DRAFTS:
+            assert q is not None  # _q_rows builds q under this rule
             return accept_sampled_drafts(tree, p, q, rng, without_replacement=True)
         return accept_topk_drafts(tree, p, rng)
 

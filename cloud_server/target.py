@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import (
+    AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase,
+)
 
 from cloud_server.cpu_kernels import use_onednn_linear
 from shared.errors import InvalidRequest
@@ -29,8 +31,8 @@ def pick_device(device: str) -> torch.device:
 
 @dataclass
 class TargetModel:
-    model: torch.nn.Module
-    tokenizer: object
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     model_id: str
     device: torch.device
 
@@ -41,7 +43,9 @@ class TargetModel:
         dev = pick_device(device)
         # fp32 on the CPU (bf16 matmuls are slow there); bf16 on a GPU.
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        # transformers wraps PreTrainedModel.to in a decorator whose stub loses the signature
+        model = model.to(dev).eval()  # type: ignore[arg-type]
         if onednn and dev.type == "cpu":
             use_onednn_linear(model)
         tokenizer = AutoTokenizer.from_pretrained(path)

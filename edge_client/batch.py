@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError, ServerUnreachable
+from edge_client.server_only import Mode
 from shared.messages import ChatMessage, OpenRequest
 
 
@@ -75,6 +76,13 @@ def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str
     }
 
 
+def method_record(options: ClientOptions) -> dict[str, Any]:
+    """How a line was generated, so runs in different modes and paces can be told apart."""
+    split = options.mode is Mode.SPLIT
+    return {"mode": options.mode.value, "drafter": options.drafter if split else None,
+            "pace": options.pace.value if split and options.pace else None}
+
+
 async def run_batch(client: EdgeClient, prompts: Path, out: Path) -> tuple[int, int]:
     """Generates for every line; a refused line gets an `error` record and the run goes on.
     Returns (succeeded, failed)."""
@@ -86,6 +94,7 @@ async def run_batch(client: EdgeClient, prompts: Path, out: Path) -> tuple[int, 
                 request = to_request(item, client.options)
                 result = await client.generate(request)
                 record = result_record(item_id, result, client.decode(result.output_ids))
+                record |= method_record(client.options)
                 ok += 1
             except ServerUnreachable:
                 raise

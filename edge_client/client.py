@@ -57,15 +57,27 @@ class EdgeClient:
     def __init__(self, address: str, options: ClientOptions, config: LinkConfig = LinkConfig()):
         self.options = options
         self.link = ServerLink(address, config)
-        self.info: ServerInfo | None = None
-        self.tokenizer: Tokenizer | None = None
+        self._info: ServerInfo | None = None
+        self._tokenizer: Tokenizer | None = None
+
+    @property
+    def info(self) -> ServerInfo:
+        if self._info is None:
+            raise LinkError("not connected: use the client as `async with EdgeClient(...)`")
+        return self._info
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            raise LinkError("not connected: use the client as `async with EdgeClient(...)`")
+        return self._tokenizer
 
     async def __aenter__(self) -> "EdgeClient":
-        self.info = await self.link.info()
-        if self.info.protocol_version != PROTOCOL_VERSION:
-            raise LinkError(f"server speaks protocol v{self.info.protocol_version}, "
+        self._info = info = await self.link.info()
+        if info.protocol_version != PROTOCOL_VERSION:
+            raise LinkError(f"server speaks protocol v{info.protocol_version}, "
                             f"this client v{PROTOCOL_VERSION}")
-        self.tokenizer = await load_tokenizer(self.link, self.info)
+        self._tokenizer = await load_tokenizer(self.link, info)
         if self.options.mode is not Mode.SPLIT:
             return self  # the server drafts, if anyone does
         drafter = resolve_drafter(self.options.drafter, self.info)

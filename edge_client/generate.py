@@ -146,7 +146,7 @@ class SplitGeneration:
         stream = self.link.decode(wait_for_ready=self._outage is not None)
         try:
             await self._open(stream, start)
-            if self.opened.pace is Pace.LOCKSTEP:
+            if self._session.pace is Pace.LOCKSTEP:
                 while self.finish is FinishReason.NOT_FINISHED:
                     await self._round(stream)
             else:
@@ -189,8 +189,21 @@ class SplitGeneration:
             self.result.ttft_s = time.perf_counter() - start
         self._commit(verdict)
 
+    @property
+    def _session(self) -> Opened:
+        """What the server answered the first Open (the generation's session)."""
+        if self.opened is None:
+            raise LinkError("protocol error: no session opened yet")
+        return self.opened
+
+    @property
+    def _down(self) -> _Outage:
+        if self._outage is None:
+            raise RuntimeError("the link is up")
+        return self._outage
+
     def _link_back(self, opened: Opened, resuming: bool) -> None:
-        lost_s = time.monotonic() - self._outage.since
+        lost_s = time.monotonic() - self._down.since
         self.result.outage_s += lost_s
         how = ("session resumed" if opened.resumed else
                "session rebuilt from history" if resuming else "generation restarted")
@@ -251,7 +264,7 @@ class SplitGeneration:
 
     @property
     def _sampled_drafts(self) -> bool:
-        return self.opened.acceptance is AcceptanceMode.SAMPLED_DRAFTS
+        return self._session.acceptance is AcceptanceMode.SAMPLED_DRAFTS
 
     def _next_tree(self) -> tuple[Proposal, bool]:
         """The tree to send with the q its drafts were drawn from (acceptance sampled-drafts
@@ -271,7 +284,7 @@ class SplitGeneration:
     def _draft(self) -> Proposal:
         if not self._sampled_drafts:
             return Proposal(self.drafter.propose(self.context, self.budget.nodes()))
-        rng = round_rng(self.opened.seed, RngStream.DRAFT, len(self.context))
+        rng = round_rng(self._session.seed, RngStream.DRAFT, len(self.context))
         return self.drafter.propose_sampled(self.context, self.budget.nodes(), rng)
 
     def _with_q(self, proposal: Proposal) -> Proposal:
@@ -316,17 +329,17 @@ class SplitGeneration:
         if self._outage is None:
             self._outage = _Outage(now, Backoff(self.policy))
             self.listener.link_event(f"link lost: {err}")
-        elif now - self._outage.since > self.policy.reconnect_timeout_s:
+        elif now - self._down.since > self.policy.reconnect_timeout_s:
             return self._give_up(err)
         self._draft_offline()
-        await asyncio.sleep(self._outage.backoff.next_wait_s())
+        await asyncio.sleep(self._down.backoff.next_wait_s())
         return True
 
     def _give_up(self, err: ServerUnreachable) -> bool:
         waited = f"no server for {self.policy.reconnect_timeout_s:g} s"
         if self.policy.offline is OfflinePolicy.KEEP and self.offline:
             self.result.unverified_ids = list(self.offline)
-            self.result.outage_s += time.monotonic() - self._outage.since
+            self.result.outage_s += time.monotonic() - self._down.since
             self.listener.link_event(f"{waited}: keeping {len(self.offline)} unverified tokens")
             return False
         raise ServerUnreachable(f"{err}; gave up after {waited}") from None

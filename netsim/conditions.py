@@ -8,7 +8,7 @@ import math
 import random
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Iterator
+from typing import Any, Iterator
 
 
 class OutageMode(Enum):
@@ -114,7 +114,7 @@ class NetworkConditions:
                  f"outage duration must be > 0 s, got {self.outage_duration_s}")
 
     @classmethod
-    def symmetric(cls, link: LinkProfile, **kwargs: object) -> NetworkConditions:
+    def symmetric(cls, link: LinkProfile, **kwargs: Any) -> NetworkConditions:
         return cls(up=link, down=link, **kwargs)
 
     @property
@@ -179,7 +179,7 @@ def parse_outage_mode(text: str) -> OutageMode:
 
 
 def _parse_item(key: str, value: str, links: dict[Direction, dict[str, float]],
-                extra: dict[str, object]) -> None:
+                extra: dict[str, Any]) -> None:
     """Applies one KEY=VALUE item to the per-direction link fields or the conditions' fields."""
     prefix, _, name = key.partition("_")
     if key in _LINK_KEYS:
@@ -214,7 +214,7 @@ def parse_conditions(text: str) -> NetworkConditions:
                  f"unknown network profile {name!r}; expected one of {', '.join(PROFILES)}")
         base = PROFILES[name]
     links: dict[Direction, dict[str, float]] = {Direction.UP: {}, Direction.DOWN: {}}
-    extra: dict[str, object] = {}
+    extra: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         _require(bool(sep), f"expected KEY=VALUE (a profile name only first), got {item!r}")

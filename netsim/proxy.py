@@ -139,7 +139,7 @@ class _Pump:
 
     def _pop_due(self, now: float) -> tuple[bytes, bool]:
         """Everything due by `now`, and whether the sender's EOF was reached."""
-        parts = []
+        parts: list[bytes] = []
         while self._queue and self._due_at(self._queue[0]) <= now:
             segment = self._queue.popleft()
             if not segment.data:
@@ -263,17 +263,23 @@ class NetSimProxy:
         self._listener.close()
         self._listener = None
 
+    @property
+    def _listening(self) -> socket.socket:
+        if self._listener is None:
+            raise RuntimeError("the proxy is not started")
+        return self._listener
+
     def _accept_on(self) -> None:
-        asyncio.get_running_loop().add_reader(self._listener.fileno(), self._accept)
+        asyncio.get_running_loop().add_reader(self._listening.fileno(), self._accept)
 
     def _accept_off(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._listener.fileno())
+        asyncio.get_running_loop().remove_reader(self._listening.fileno())
 
     def _accept(self) -> None:
         """Reader callback of the listening socket: synchronous, so stopping it leaves no accept
         half done (loop.sock_accept cancelled at the wrong moment can leak a socket)."""
         try:
-            sock, _ = self._listener.accept()
+            sock, _ = self._listening.accept()
         except (BlockingIOError, InterruptedError, ConnectionAbortedError):
             return
         except OSError as err:  # out of descriptors, say: stop spinning, try again later
@@ -355,7 +361,9 @@ class NetSimProxy:
             self._scripted_until = max(self._scripted_until, ends_at)
             return
         self._scripted_until = ends_at
-        self._scripted.add(asyncio.current_task())
+        this = asyncio.current_task()
+        assert this is not None  # a coroutine runs in a task
+        self._scripted.add(this)
         try:
             await self._begin_outage(Outage(loop.time() - self._started_at, duration_s))
             while (left := self._scripted_until - loop.time()) > 0:
@@ -363,7 +371,7 @@ class NetSimProxy:
             self._end_outage()
         finally:
             self._scripted_until = None
-            self._scripted.discard(asyncio.current_task())
+            self._scripted.discard(this)
 
     async def _begin_outage(self, outage: Outage) -> None:
         self._outages += 1
@@ -374,7 +382,7 @@ class NetSimProxy:
         if mode is OutageMode.CUT:
             self._accept_off()
             # Leaves the port bound but refuses connections and resets those not yet accepted.
-            self._listener.shutdown(socket.SHUT_RD)
+            self._listening.shutdown(socket.SHUT_RD)
             tasks = list(self._tasks)
             for task in tasks:
                 task.cancel()
@@ -382,7 +390,7 @@ class NetSimProxy:
 
     def _end_outage(self) -> None:
         if self.conditions.outage_mode is OutageMode.CUT:
-            self._listener.listen(LISTEN_BACKLOG)
+            self._listening.listen(LISTEN_BACKLOG)
             self._accept_on()
         self._gate.open(asyncio.get_running_loop().time())
         log.info("outage %d over", self._outages)

@@ -14,6 +14,7 @@ import numpy as np
 
 from shared.errors import InvalidRequest
 from shared.sampling import race_noise, race_winner, sample
+from shared.draft_q import QRows
 from shared.tree import ROOT, DraftTree
 
 
@@ -121,7 +122,7 @@ def accept_topk_drafts(tree: DraftTree, p: np.ndarray, rng: np.random.Generator)
     return _walk(tree, step)
 
 
-def accept_sampled_drafts(tree: DraftTree, p: np.ndarray, q: np.ndarray,
+def accept_sampled_drafts(tree: DraftTree, p: np.ndarray, q: np.ndarray | QRows,
                           rng: np.random.Generator,
                           without_replacement: bool = False) -> Acceptance:
     """Multi-step speculative sampling over a tree whose children were drawn from q (SpecInfer).

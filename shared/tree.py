@@ -111,7 +111,9 @@ class DraftTree:
     def subtree_nodes(self, node: int) -> tuple["DraftTree", tuple[int, ...]]:
         """subtree(node), and for each of its nodes the index it has in this tree."""
         index = {node: ROOT}
-        tokens, parents, nodes = [], [], []
+        tokens: list[int] = []
+        parents: list[int] = []
+        nodes: list[int] = []
         for i in range(node + 1, len(self)):
             if self.parents[i] in index:
                 index[i] = len(tokens)

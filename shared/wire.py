@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -30,7 +31,8 @@ def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
         stop_token_ids=info.stop_token_ids,
         limits=pb.Limits(**{f: getattr(info.limits, f) for f in _LIMIT_FIELDS}),
         artifacts=[
-            pb.Artifact(name=a.name, kind=a.kind.value, sha256=a.sha256, size_bytes=a.size_bytes)
+            pb.Artifact(name=a.name, kind=pb.ArtifactKind.Name(a.kind.value), sha256=a.sha256,
+                        size_bytes=a.size_bytes)
             for a in info.artifacts
         ],
         verify_costs=[pb.VerifyCost(nodes=n, ms=ms) for n, ms in info.verify_costs],
@@ -59,7 +61,9 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
     open_msg = pb.Open(max_new_tokens=msg.max_new_tokens,
                        sampling=_sampling_to_proto(msg.sampling),
                        acceptance=_mode_to_proto(msg.acceptance),
-                       stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings)
+                       stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings,
+                       activations=activation_format_to_proto(msg.activations),
+                       pace=_pace_to_proto(msg.pace), lead=msg.lead)
     if msg.chat is not None:
         open_msg.chat.messages.extend(
             pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -68,14 +72,11 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
     if msg.resume is not None:
         open_msg.resume.CopyFrom(pb.Resume(session_id=msg.resume.session_id,
                                            generated_ids=msg.resume.generated_ids))
-    open_msg.activations = activation_format_to_proto(msg.activations)
-    open_msg.pace = _pace_to_proto(msg.pace)
-    open_msg.lead = msg.lead
     return open_msg
 
 
-def _pace_to_proto(pace: Pace | None) -> int:
-    return 0 if pace is None else pb.Pace.Value(f"PACE_{pace.name}")
+def _pace_to_proto(pace: Pace | None) -> str:
+    return f"PACE_{'UNSPECIFIED' if pace is None else pace.name}"
 
 
 def _pace_from_proto(value: int) -> Pace | None:
@@ -119,7 +120,7 @@ def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
 
 
 def _open_from_proto(msg: pb.Open) -> OpenRequest:
-    common = dict(max_new_tokens=msg.max_new_tokens, sampling=_sampling_from_proto(msg.sampling),
+    common: dict[str, Any] = dict(max_new_tokens=msg.max_new_tokens, sampling=_sampling_from_proto(msg.sampling),
                   acceptance=_mode_from_proto(msg.acceptance),
                   stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
                   resume=(Resume(msg.resume.session_id, tuple(msg.resume.generated_ids))
@@ -149,9 +150,8 @@ def _sampling_from_proto(msg: pb.Sampling) -> SamplingParams:
         raise InvalidRequest(f"sampling: {err}") from None
 
 
-def _mode_to_proto(mode: AcceptanceMode | None) -> int:
-    name = "UNSPECIFIED" if mode is None else mode.name
-    return pb.AcceptanceMode.Value(f"ACCEPTANCE_MODE_{name}")
+def _mode_to_proto(mode: AcceptanceMode | None) -> str:
+    return f"ACCEPTANCE_MODE_{'UNSPECIFIED' if mode is None else mode.name}"
 
 
 def _mode_from_proto(value: int) -> AcceptanceMode | None:
@@ -168,14 +168,16 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
     if isinstance(msg, Verdict):
         verdict = pb.Verdict(
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
-            committed_length=msg.committed_length, finish_reason=msg.finish_reason.value,
+            committed_length=msg.committed_length,
+            finish_reason=pb.FinishReason.Name(msg.finish_reason.value),
             timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms),
             draft_id=msg.draft_id, more=msg.more)
         if msg.activations is not None:
             verdict.activations.CopyFrom(_activations_to_proto(msg.activations))
         return pb.ServerMessage(verdict=verdict)
     return pb.ServerMessage(done=pb.Done(
-        finish_reason=msg.finish_reason.value, generated_tokens=msg.generated_tokens,
+        finish_reason=pb.FinishReason.Name(msg.finish_reason.value),
+        generated_tokens=msg.generated_tokens,
         rounds=msg.rounds))
 
 
@@ -202,9 +204,9 @@ def join_parts(parts: list[Verdict]) -> Verdict:
     last = parts[-1]
     if len(parts) == 1:
         return last
-    values = np.concatenate([p.activations.values for p in parts])  # [rows, width]
-    first = parts[0].activations
-    return replace(last, activations=ActivationRows(first.start, values, first.format))
+    rows = [p.activations for p in parts if p.activations is not None]
+    values = np.concatenate([r.values for r in rows])  # [rows, width]
+    return replace(last, activations=ActivationRows(rows[0].start, values, rows[0].format))
 
 
 def _row_bytes(rows: ActivationRows) -> int:
@@ -245,8 +247,8 @@ def _activations_from_proto(msg: pb.Activations) -> ActivationRows:
     return ActivationRows(msg.start, values.astype(np.float32), fmt)
 
 
-def activation_format_to_proto(fmt: ActivationFormat | None) -> int:
-    return 0 if fmt is None else pb.ActivationFormat.Value(f"ACTIVATION_FORMAT_{fmt.name}")
+def activation_format_to_proto(fmt: ActivationFormat | None) -> str:
+    return f"ACTIVATION_FORMAT_{'UNSPECIFIED' if fmt is None else fmt.name}"
 
 
 def activation_format_from_proto(value: int) -> ActivationFormat | None:
@@ -258,7 +260,8 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     kind = msg.WhichOneof("kind")
     if kind == "opened":
         o = msg.opened
-        return Opened(o.session_id, tuple(o.prompt_ids), _mode_from_proto(o.acceptance), o.seed,
+        acceptance = _mode_from_proto(o.acceptance) or AcceptanceMode.GREEDY
+        return Opened(o.session_id, tuple(o.prompt_ids), acceptance, o.seed,
                       o.resumed, _pace_from_proto(o.pace) or Pace.LOCKSTEP, o.lead)
     if kind == "verdict":
         v = msg.verdict

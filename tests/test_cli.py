@@ -64,6 +64,17 @@ def test_ask_and_batch_against_real_server(tmp_path):
         assert moa.returncode == 0, moa.stderr
         assert moa.stdout == proc.stdout
         assert any((tmp_path / "edge-cache" / "drafters").iterdir())
+        # The baselines and every pace through the same simulated link: the same text.
+        for flags in (["--mode", "plain-api"], ["--mode", "server-spec"],
+                      ["--pace", "lockstep"], ["--pace", "server", "--drafter", "pld"]):
+            other = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
+                                           "--network", "lan", *flags,
+                                           "What is the capital of France?"],
+                                   capture_output=True, text=True, timeout=300,
+                                   env={**os.environ, "SPLITDEC_CACHE": str(tmp_path / "edge")})
+            assert other.returncode == 0, (flags, other.stderr)
+            assert other.stdout == proc.stdout, flags
+        assert "[plain-api:" not in other.stderr and "[pld:" in other.stderr
 
         prompts = tmp_path / "in.jsonl"
         rows = [{"id": "a", "prompt": "Say hello."},
@@ -75,8 +86,19 @@ def test_ask_and_batch_against_real_server(tmp_path):
         proc = subprocess.run(EDGE + ["run", "--server", address, "--prompts", str(prompts),
                                       "--out", str(out), "--max-new-tokens", "8"],
                               capture_output=True, text=True, timeout=180)
+        baseline_out = tmp_path / "plain.jsonl"
+        plain = subprocess.run(EDGE + ["run", "--server", address, "--prompts", str(prompts),
+                                       "--out", str(baseline_out), "--max-new-tokens", "8",
+                                       "--mode", "plain-api", "--network", "lan"],
+                               capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1, proc.stderr  # one line was refused
+    assert plain.returncode == 1, plain.stderr
     records = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    baseline = {r["id"]: r for r in map(json.loads, baseline_out.read_text().splitlines())}
+    for key in "abc":
+        assert (records[key]["mode"], baseline[key]["mode"]) == ("split", "plain-api")
+        assert records[key]["pace"] == "auto" and baseline[key]["pace"] is None
+        assert baseline[key]["output_ids"] == records[key]["output_ids"]
     for key in "abc":
         for field in ("output_ids", "text", "rounds", "drafted_tokens", "accepted_tokens", "tau",
                       "wall_s", "ttft_s", "bytes_up", "bytes_down"):

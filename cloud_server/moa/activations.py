@@ -25,6 +25,9 @@ class ServerActivations:
     @classmethod
     def load(cls, drafter_dir: Path, target: torch.nn.Module) -> "ServerActivations":
         config, server, _ = load_drafter(drafter_dir, target)
+        if server is None:
+            raise ValueError(f"the drafter in {drafter_dir} reads no activations: it has no "
+                             "server half")
         return cls(config, server)
 
     @torch.inference_mode()

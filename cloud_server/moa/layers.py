@@ -29,6 +29,8 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding (RoFormer, Su et al. 2021), rotate-half layout as in Llama."""
 
+    inv_freq: torch.Tensor  # buffer: [hd / 2]
+
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
         inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # [hd / 2]

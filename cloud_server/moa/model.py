@@ -18,6 +18,8 @@ positions on both queries and memory keys, as in the paper's code.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -47,6 +49,8 @@ class ServerHalf(nn.Module):
     """Per-layer K/V of a token -> its activation: [n, L, target_kv_width] -> [n, width],
     L = len(config.lsa_layers) (the layers `layer_kv_from_cache` picks)."""
 
+    layer_positions: torch.Tensor  # buffer: [L]
+
     def __init__(self, config: MoaConfig) -> None:
         super().__init__()
         c = config
@@ -75,6 +79,12 @@ class EdgeHalf(nn.Module):
     With a sub-vocabulary (`config.draft_vocab`), `vocab_ids` [draft_vocab] lists the target
     token ids the head scores, in head-row order, and is saved with the trained part."""
 
+    # buffers, shared with the target: [vocab, width], [width], [head_size], [head_size, width]
+    embedding: torch.Tensor
+    final_norm: torch.Tensor
+    vocab_ids: torch.Tensor
+    head: torch.Tensor
+
     def __init__(self, config: MoaConfig, embedding: torch.Tensor, final_norm: torch.Tensor,
                  head: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -98,7 +108,7 @@ class EdgeHalf(nn.Module):
         self.register_buffer("head", head, persistent=False)  # [head_size, width]
 
     @classmethod
-    def from_target(cls, config: MoaConfig, target: nn.Module,
+    def from_target(cls, config: MoaConfig, target: Any,
                     vocab_ids: torch.Tensor | None = None) -> "EdgeHalf":
         """Shares the embedding, final norm and LM head of a transformers causal LM, in fp32."""
         norm = target.model.norm.weight.float()
@@ -106,7 +116,7 @@ class EdgeHalf(nn.Module):
         return cls(config, target.get_input_embeddings().weight.float(), norm, head, vocab_ids)
 
     @torch.no_grad()
-    def init_from_target(self, target: nn.Module) -> None:
+    def init_from_target(self, target: Any) -> None:
         """Starts SA as a copy of the target's first layer and CA (all but its K/V projections,
         which read the activations, not the residual stream) as a copy of its last layer.
 
@@ -160,9 +170,10 @@ class EdgeHalf(nn.Module):
                            ca_mask)
 
 
-def _copy_layer(block: Block, layer: nn.Module, with_kv: bool) -> None:
-    """Copies a transformers Llama-like decoder layer's weights into a Block of equal sizes."""
-    pairs = [(block.attn_norm.weight, layer.input_layernorm.weight),
+def _copy_layer(block: Block, layer: Any, with_kv: bool) -> None:
+    """Copies a transformers Llama-like decoder layer's weights into a Block of equal sizes
+    (`layer` is any such layer: its submodules are found by name, as transformers names them)."""
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(block.attn_norm.weight, layer.input_layernorm.weight),
              (block.mlp_norm.weight, layer.post_attention_layernorm.weight),
              (block.attn.q_proj.weight, layer.self_attn.q_proj.weight),
              (block.attn.o_proj.weight, layer.self_attn.o_proj.weight),

@@ -43,7 +43,8 @@ def make_batches(samples: list[Sample], batch_tokens: int, max_len: int, seed: i
         return min(len(samples[i].prompt_ids) + len(samples[i].answer_ids), max_len)
 
     order = sorted(range(len(samples)), key=lambda i: (length(i), i))
-    batches, current = [], []
+    batches: list[list[int]] = []
+    current: list[int] = []
     for i in order:  # ascending length: the newest sample sets the padded width
         if current and length(i) * (len(current) + 1) > batch_tokens:
             batches.append(current)

@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ class TrainSettings:
 
 
 @torch.no_grad()
-def teacher(target: torch.nn.Module, batch: Batch,
+def teacher(target: Any, batch: Batch,
             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """layer_kv: [b, T, L, kv_width] and last hidden state after the final norm: [b, T, width]."""
     out = target.model(input_ids=batch.ids, attention_mask=batch.attention, use_cache=True)
@@ -146,7 +147,7 @@ class Trainer:
         return Student(config, server, edge)
 
     @property
-    def server(self) -> ServerHalf:
+    def server(self) -> ServerHalf | None:
         return self.students[0].server
 
     @property
@@ -180,7 +181,8 @@ class Trainer:
         length = batch.ids.shape[1]
         ca = cross_mask(batch.prompt_lens, length, self.generator).to(self.device)
         sa = causal_mask(length).to(self.device)
-        total, stats = 0.0, {}
+        total = torch.zeros((), device=self.device)
+        stats: dict[str, float] = {}
         for student, prefix in zip(self.students, ("", "independent_")):
             hidden = student.edge(batch.ids, student.memory(batch.ids, layer_kv), sa, ca)
             loss, own = distill_loss(student.edge, hidden[batch.select],
@@ -194,16 +196,16 @@ class Trainer:
         self.optimizer.step()
         self.schedule.step()
         self.step_count += 1
-        stats["positions"] = int(batch.select.sum())
+        stats["positions"] = float(batch.select.sum())
         return stats
 
     def run(self, log_every: int = 10) -> dict[str, float]:
         """Trains to `settings.steps`; prints progress, checkpoints, writes the weights."""
         start, positions = time.monotonic(), 0
-        first, running = self.step_count, {}
+        first, running = self.step_count, dict[str, float]()
         while self.step_count < self.settings.steps:
             stats = self.train_step(self.batch_for(self.step_count))
-            positions += stats.pop("positions")
+            positions += int(stats.pop("positions"))
             running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
             if self.step_count % log_every == 0 or self.step_count == self.settings.steps:
                 elapsed = time.monotonic() - start

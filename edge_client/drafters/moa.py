@@ -151,7 +151,7 @@ class MoaDrafter:
         """Drafts drawn from q = the network's top-k distribution, renormalised
         (`sampled_tree`). No prompt-lookup nodes: they were not drawn from q."""
         if not context or max_nodes < 1 or not self._ready(context):
-            return DraftTree((), ()), ()
+            return Proposal(DraftTree((), ()))
         return sampled_tree(self._sync(context), self._expander(context), max_nodes,
                             self.max_depth, self.beam, rng)
 

@@ -7,7 +7,8 @@ from shared.drafting.aded import AdedDrafter
 from shared.drafting.base import Drafter
 from shared.drafting.pld import PromptLookupDrafter
 
-DRAFTERS: dict[str, type] = {cls.name: cls for cls in (AdedDrafter, PromptLookupDrafter)}
+DRAFTERS: dict[str, type[AdedDrafter] | type[PromptLookupDrafter]] = {
+    cls.name: cls for cls in (AdedDrafter, PromptLookupDrafter)}
 
 
 def make_drafter(name: str, depth_limit: int | None = None) -> Drafter:

@@ -23,7 +23,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Hashable, Sequence
+from typing import Any, Hashable, Sequence
 
 import numpy as np
 
@@ -118,7 +118,7 @@ class AdedDrafter(TextDrafter):
                 self._count(self._trigram, key, context[i], i)
         self._learned = len(context)
 
-    def _count(self, table: dict[Hashable, _Counts], key: Hashable, token: int, step: int) -> None:
+    def _count(self, table: dict[Any, _Counts], key: Hashable, token: int, step: int) -> None:
         entry = table.get(key)
         if entry is None:
             table[key] = _Counts({token: 1.0}, step)

@@ -47,7 +47,10 @@ class Drafter(Protocol):
 class TextDrafter:
     """What a drafter that reads only the text has in common: no activations."""
 
+    name: str
+    sampling_acceptance: AcceptanceMode
+    max_depth: int
     needs_activations = False
 
     def add_activations(self, start: int, values: np.ndarray) -> None:
-        raise ValueError(f"the {getattr(self, 'name', 'text')} drafter reads no activations")
+        raise ValueError(f"the {self.name} drafter reads no activations")
