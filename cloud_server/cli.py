@@ -9,7 +9,9 @@ import asyncio
 import sys
 
 from cloud_server.pacing import PacingPolicy
+from cloud_server.device import Device
 from shared.drafting import DRAFTERS
+from shared.drafting.base import DrafterName
 from shared.messages import Limits, Pace
 
 
@@ -20,7 +22,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, embedded), a hub id or a local path")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--device", choices=[d.value for d in Device], default=Device.AUTO.value)
     p.add_argument("--cpu-linear", choices=("onednn", "stock"), default="onednn",
                    help="CPU linear kernels: oneDNN (about 2x faster here) or PyTorch's default")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
@@ -43,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "acknowledged when it names no lead (default %(default)s)")
     p.add_argument("--max-lead", type=int, default=pacing.max_lead, metavar="N",
                    help="the most lead a client may ask for (default %(default)s)")
-    p.add_argument("--own-drafter", choices=(*DRAFTERS, "none"), default=pacing.drafter,
+    p.add_argument("--own-drafter", choices=(*sorted(DRAFTERS), "none"), default=pacing.drafter,
                    help="the drafter the server runs for its own candidates in paced "
                         "sessions (default %(default)s)")
     args = p.parse_args(argv)
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def pacing_from(args: argparse.Namespace) -> PacingPolicy:
     return PacingPolicy(Pace(args.pace), args.lead, args.max_lead,
-                        None if args.own_drafter == "none" else args.own_drafter)
+                        None if args.own_drafter == "none" else DrafterName(args.own_drafter))
 
 
 def limits_from(args: argparse.Namespace) -> Limits:
@@ -82,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         drafter_dir = find_drafter(args.drafter_dir, model_id)
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)
         model_thread = ModelThread()
-        target = model_thread.call(TargetModel.load, path, model_id, args.device,
+        target = model_thread.call(TargetModel.load, path, model_id, Device(args.device),
                                    onednn=args.cpu_linear == "onednn")
         service = build_service(target, limits_from(args), model_thread, drafter_dir,
                                 pacing_from(args))

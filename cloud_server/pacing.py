@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
+from shared.drafting.base import DrafterName
 from shared.errors import OutOfOrder
 from shared.messages import DraftRequest, Pace, Verdict
 
@@ -30,7 +31,7 @@ class PacingPolicy:
     pace: Pace = Pace.LOCKSTEP
     lead: int = 32
     max_lead: int = 256
-    drafter: str | None = "pld"
+    drafter: DrafterName | None = DrafterName.PLD
 
     def resolve(self, pace: Pace | None, lead: int) -> tuple[Pace, int]:
         return pace or self.pace, min(lead or self.lead, self.max_lead)

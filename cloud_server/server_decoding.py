@@ -13,7 +13,7 @@ from cloud_server.session import ActivationSource, Session
 from cloud_server.target import TargetModel
 from shared.drafting.budget import TreeBudget
 from shared.drafting import DRAFTERS, make_drafter
-from shared.drafting.base import Drafter
+from shared.drafting.base import Drafter, DrafterName
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.errors import InvalidRequest
@@ -25,13 +25,14 @@ PLAIN = DraftTree((), ())
 
 
 def own_drafter(name: str | None, limits: Limits) -> Drafter | None:
-    """A training-free drafter the server runs itself, by name (None: none)."""
+    """A training-free drafter the server runs itself, by the name a request gives (None:
+    none); any other name is refused."""
     if name is None:
         return None
     if name not in DRAFTERS:
         raise InvalidRequest(f"unknown drafter {name!r}; the server runs: "
                              f"{', '.join(sorted(DRAFTERS))}")
-    return make_drafter(name, limits.max_tree_depth)
+    return make_drafter(DrafterName(name), limits.max_tree_depth)
 
 
 class ServerDecoder:

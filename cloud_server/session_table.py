@@ -37,8 +37,13 @@ class SessionTable:
         return session_id in self._entries
 
     def reserve(self) -> None:
-        """Raises Overloaded when no new session fits, after dropping expired orphans."""
+        """Raises Overloaded when no new session fits, after dropping expired orphans and, at
+        the limit, orphans whose generation finished (their edge most likely has all of it: a
+        stream often ends by a cancel the server sees before the half-close; a late resume of
+        one is rebuilt from its history)."""
         self._evict_expired()
+        if len(self._entries) >= self.limits.max_sessions:
+            self._evict_finished()
         if len(self._entries) >= self.limits.max_sessions:
             raise Overloaded(f"server is at its limit of {self.limits.max_sessions} sessions; "
                              "retry in a few seconds")
@@ -73,6 +78,11 @@ class SessionTable:
         entry = self._entries.get(session.id)
         if entry is not None and entry.owner is owner:
             del self._entries[session.id]
+
+    def _evict_finished(self) -> None:
+        for sid in [sid for sid, e in self._entries.items()
+                    if e.owner is None and e.session.finished]:
+            del self._entries[sid]
 
     def _evict_expired(self) -> None:
         deadline = self._clock() - self.limits.session_idle_timeout_s

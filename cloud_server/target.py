@@ -16,17 +16,18 @@ from transformers import (
 )
 
 from cloud_server.cpu_kernels import use_onednn_linear
+from cloud_server.device import Device
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
 from shared.tree import DraftTree
 
 
-def pick_device(device: str) -> torch.device:
-    if device == "auto":
+def pick_device(device: Device) -> torch.device:
+    if device is Device.AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
+    if device is Device.CUDA and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
-    return torch.device(device)
+    return torch.device(device.value)
 
 
 @dataclass
@@ -37,10 +38,11 @@ class TargetModel:
     device: torch.device
 
     @classmethod
-    def load(cls, path: str, model_id: str, device: str = "auto",
+    def load(cls, path: str, model_id: str, device: Device | str = Device.AUTO,
              onednn: bool = True) -> "TargetModel":
-        """`onednn`: on the CPU, run linear layers through oneDNN (cpu_kernels.py)."""
-        dev = pick_device(device)
+        """`device` may be given as text ("cpu"); `onednn`: on the CPU, run linear layers
+        through oneDNN (cpu_kernels.py)."""
+        dev = pick_device(Device(device))
         # fp32 on the CPU (bf16 matmuls are slow there); bf16 on a GPU.
         dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

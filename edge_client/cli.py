@@ -22,12 +22,12 @@ from typing import Iterator
 from edge_client.batch import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, DEFAULT_PACE, ClientOptions, EdgeClient
 from edge_client.display import TerminalView
-from edge_client.drafter_source import DRAFTER_NAMES
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.server_only import Mode
 from shared.acceptance import AcceptanceMode
+from shared.drafting.base import DrafterName
 from shared.messages import ActivationFormat, ChatMessage, Pace
 from netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
 from shared.sampling import SamplingParams
@@ -37,7 +37,7 @@ EXIT_USAGE, EXIT_LINK = 2, 3
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
-    p.add_argument("--drafter", choices=DRAFTER_NAMES, default=DEFAULT_DRAFTER,
+    p.add_argument("--drafter", choices=[d.value for d in DrafterName], default=DEFAULT_DRAFTER,
                    help="'moa': the trained drafter the server offers (fetched once, cached); "
                         "pld, aded: training-free; 'auto': moa when the server offers it, "
                         "else pld (default %(default)s)")
@@ -183,7 +183,7 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         offline_limit=args.offline_limit,
                         reconnect_timeout_s=args.reconnect_timeout,
                         pipeline=not args.no_pipeline)
-    return ClientOptions(args.drafter, args.tree_nodes, args.max_new_tokens, sampling, acceptance,
+    return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens, sampling, acceptance,
                          tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
                          Mode(args.mode), Pace(args.pace), args.lead or 0)
 

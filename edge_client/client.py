@@ -14,6 +14,7 @@ from edge_client.offline import LinkPolicy
 from edge_client.server_only import Mode, server_generate
 from edge_client.tokenizer import load_tokenizer
 from shared.acceptance import AcceptanceMode
+from shared.drafting.base import DrafterName
 from shared.messages import (
     PROTOCOL_VERSION, ActivationFormat, ChatMessage, OpenRequest, Pace, ServerInfo,
 )
@@ -22,12 +23,12 @@ from shared.sampling import SamplingParams
 # The CLI's pace: the server paces and the edge's drafts join (README, "Pacing"). Library
 # callers that leave ClientOptions.pace unset get the server's default (lockstep).
 DEFAULT_PACE = Pace.AUTO
-DEFAULT_DRAFTER = "auto"  # moa when the server offers it (README: it measured best), else pld
+DEFAULT_DRAFTER = DrafterName.AUTO  # moa when the server offers it (README: measured best)
 
 
 @dataclass(frozen=True)
 class ClientOptions:
-    drafter: str = DEFAULT_DRAFTER
+    drafter: DrafterName = DEFAULT_DRAFTER
     tree_nodes: int | None = None  # None: sized each round from measured costs (budget.py)
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
@@ -39,6 +40,10 @@ class ClientOptions:
     mode: Mode = Mode.SPLIT  # or a baseline the server runs alone (server_only.py)
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # paced sessions: tokens the server may run ahead; 0: the server's default
+
+    def __post_init__(self) -> None:
+        # The library's boundary: a caller may name the drafter as text ("pld").
+        object.__setattr__(self, "drafter", DrafterName(self.drafter))
 
     def open_request(self, prompt_ids: Sequence[int] | None = None,
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:

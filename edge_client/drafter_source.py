@@ -12,35 +12,34 @@ from pathlib import Path
 from typing import AsyncIterator, Callable
 
 from shared.drafting import DRAFTERS, make_drafter
-from shared.drafting.base import Drafter
+from shared.drafting.base import Drafter, DrafterName
 from edge_client.drafters.moa import MoaDrafter  # onnxruntime loads only when one is built
 from edge_client.drafters.moa_bundle import bundle_cache_dir, find_bundle, install_bundle
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.messages import ArtifactKind, ServerInfo
 
-MOA = "moa"
-AUTO = "auto"
-DRAFTER_NAMES = (AUTO, *sorted(DRAFTERS), MOA)
-FALLBACK = "pld"  # what 'auto' drafts with when the MoA drafter is not an option
+FALLBACK = DrafterName.PLD  # what 'auto' drafts with when the MoA drafter is not an option
 
 
-def resolve_drafter(name: str, info: ServerInfo) -> str:
+def resolve_drafter(name: DrafterName, info: ServerInfo) -> DrafterName:
     """'auto' is the MoA drafter when the server offers one (it measured best: README), else
     pld; any other name stays as it is."""
-    if name != AUTO:
+    if name is not DrafterName.AUTO:
         return name
     offered = any(a.kind is ArtifactKind.DRAFTER_BUNDLE for a in info.artifacts)
-    return MOA if offered else FALLBACK
+    return DrafterName.MOA if offered else FALLBACK
 
 
-def sampling_acceptance(name: str) -> AcceptanceMode:
+def sampling_acceptance(name: DrafterName) -> AcceptanceMode:
     """The rule a drafter drafts best for under sampling (README, benchmarks/sampling.py).
     'auto' has none until `resolve_drafter` names a drafter (EdgeClient.options)."""
-    if name == AUTO:
+    if name is DrafterName.AUTO:
         raise ValueError("'auto' names no drafter yet: build the request from the options of "
                          "an entered EdgeClient, which resolves it against the server")
-    return (MoaDrafter if name == MOA else DRAFTERS[name]).sampling_acceptance
+    if name is DrafterName.MOA:
+        return MoaDrafter.sampling_acceptance
+    return DRAFTERS[name].sampling_acceptance
 
 
 class DrafterPool:
@@ -66,8 +65,8 @@ class DrafterPool:
             yield self._shared
 
 
-async def drafter_pool(name: str, link: ServerLink, info: ServerInfo) -> DrafterPool:
-    if name != MOA:
+async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo) -> DrafterPool:
+    if name is not DrafterName.MOA:
         return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth),
                            shared=False)
     bundle_dir = await _moa_bundle(link, info)

@@ -95,6 +95,18 @@ def test_session_table_holds_orphans_for_the_idle_timeout_then_evicts():
     assert table.take_over("a", second) is None
 
 
+def test_session_table_at_its_limit_drops_finished_orphans_first():
+    table = SessionTable(Limits(max_sessions=2, session_idle_timeout_s=300))
+    done, live = FakeSession("done"), FakeSession("live")
+    done.finished = live.finished = True
+    owner = object()
+    table.add(done, owner)
+    table.add(live, owner)
+    table.detach(done, owner)  # finished, its stream gone: most likely nobody will resume it
+    table.reserve()
+    assert "done" not in table and "live" in table  # an owned session stays, finished or not
+
+
 def test_server_accepts_the_edge_keepalive_pings():
     """A server that allows fewer pings than the edge sends answers GOAWAY too_many_pings."""
     from cloud_server.server import server_options

@@ -30,6 +30,7 @@ from shared.drafting.pld import PromptLookupDrafter
 from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
+from shared.drafting.base import DrafterName
 from shared.draft_q import NodeQ, Proposal
 from shared.tree import ROOT, DraftTree
 
@@ -61,7 +62,7 @@ class _Candidates:
 
 
 class MoaDrafter:
-    name = "moa"
+    name = DrafterName.MOA
     # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 

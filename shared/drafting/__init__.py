@@ -4,19 +4,19 @@ here by name, for the CLIs and the factories."""
 from __future__ import annotations
 
 from shared.drafting.aded import AdedDrafter
-from shared.drafting.base import Drafter
+from shared.drafting.base import Drafter, DrafterName
 from shared.drafting.pld import PromptLookupDrafter
 
-DRAFTERS: dict[str, type[AdedDrafter] | type[PromptLookupDrafter]] = {
+DRAFTERS: dict[DrafterName, type[AdedDrafter] | type[PromptLookupDrafter]] = {
     cls.name: cls for cls in (AdedDrafter, PromptLookupDrafter)}
 
 
-def make_drafter(name: str, depth_limit: int | None = None) -> Drafter:
-    """A fresh drafter. `depth_limit` is the deepest tree the server takes (its
+def make_drafter(name: DrafterName | str, depth_limit: int | None = None) -> Drafter:
+    """A fresh training-free drafter. `depth_limit` is the deepest tree the server takes (its
     max_tree_depth): it lowers the drafter's own max_depth, never raises it."""
     if name not in DRAFTERS:
         raise ValueError(f"unknown drafter {name!r}; choose from: {', '.join(sorted(DRAFTERS))}")
-    drafter = DRAFTERS[name]()
+    drafter = DRAFTERS[DrafterName(name)]()
     if depth_limit is not None:
         drafter.max_depth = min(drafter.max_depth, depth_limit)
     return drafter

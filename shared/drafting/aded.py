@@ -27,7 +27,7 @@ from typing import Any, Hashable, Sequence
 
 import numpy as np
 
-from shared.drafting.base import TextDrafter
+from shared.drafting.base import DrafterName, TextDrafter
 from shared.drafting.trie import TokenTrie
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
@@ -51,7 +51,7 @@ class _Counts:
 
 
 class AdedDrafter(TextDrafter):
-    name = "aded"
+    name = DrafterName.ADED
     # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 

@@ -5,6 +5,7 @@ update_candidate_strategy), docs/architecture.md, Drafters.
 """
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -14,8 +15,18 @@ from shared.draft_q import Proposal
 from shared.tree import DraftTree
 
 
+class DrafterName(StrEnum):
+    """Drafters by name, as the CLIs and the wire spell them. A StrEnum: parsed once where text
+    comes in (DrafterName("pld") raises ValueError on anything else), equal to its value."""
+
+    AUTO = "auto"  # the edge's choice: MOA when the server offers it, else PLD
+    MOA = "moa"  # the trained drafter (edge_client/drafters/moa.py)
+    PLD = "pld"
+    ADED = "aded"
+
+
 class Drafter(Protocol):
-    name: str
+    name: DrafterName
     sampling_acceptance: AcceptanceMode  # the rule used when sampling and none was asked for
     max_depth: int  # the deepest tree it drafts
     # Whether it reads the server half's activations: the session then asks for them, and
@@ -47,7 +58,7 @@ class Drafter(Protocol):
 class TextDrafter:
     """What a drafter that reads only the text has in common: no activations."""
 
-    name: str
+    name: DrafterName
     sampling_acceptance: AcceptanceMode
     max_depth: int
     needs_activations = False

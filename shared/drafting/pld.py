@@ -12,7 +12,7 @@ from typing import Sequence
 
 import numpy as np
 
-from shared.drafting.base import TextDrafter
+from shared.drafting.base import DrafterName, TextDrafter
 from shared.drafting.trie import TokenTrie
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
@@ -28,7 +28,7 @@ class PromptLookupDrafter(TextDrafter):
     matches that agree on a prefix add up in the trie (frequency counts as evidence).
     """
 
-    name = "pld"
+    name = DrafterName.PLD
     # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
