@@ -1,8 +1,9 @@
 """The wire codec: protobuf messages <-> domain types. The one module that touches both."""
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from enum import Enum
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -19,7 +20,33 @@ from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 
+E = TypeVar("E", bound=Enum)
+
 _LIMIT_FIELDS = tuple(Limits.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class _EnumWire(Generic[E]):
+    """A domain enum and the protobuf enum that carries it: member NAME travels as PREFIX_NAME,
+    and None as PREFIX_UNSPECIFIED (0)."""
+
+    domain: type[E]
+    proto: Any  # the generated EnumTypeWrapper
+    prefix: str
+
+
+ACCEPTANCE = _EnumWire(AcceptanceMode, pb.AcceptanceMode, "ACCEPTANCE_MODE")
+ACTIVATIONS = _EnumWire(ActivationFormat, pb.ActivationFormat, "ACTIVATION_FORMAT")
+PACE = _EnumWire(Pace, pb.Pace, "PACE")
+
+
+def _to_proto(wire: _EnumWire[E], value: E | None) -> str:
+    return f"{wire.prefix}_{'UNSPECIFIED' if value is None else value.name}"
+
+
+def _from_proto(wire: _EnumWire[E], value: int) -> E | None:
+    name = wire.proto.Name(value).removeprefix(wire.prefix + "_")
+    return None if name == "UNSPECIFIED" else wire.domain[name]
 
 
 def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
@@ -60,10 +87,10 @@ def info_from_proto(msg: pb.InfoResponse) -> ServerInfo:
 def _open_to_proto(msg: OpenRequest) -> pb.Open:
     open_msg = pb.Open(max_new_tokens=msg.max_new_tokens,
                        sampling=_sampling_to_proto(msg.sampling),
-                       acceptance=_mode_to_proto(msg.acceptance),
+                       acceptance=_to_proto(ACCEPTANCE, msg.acceptance),
                        stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings,
-                       activations=activation_format_to_proto(msg.activations),
-                       pace=_pace_to_proto(msg.pace), lead=msg.lead)
+                       activations=_to_proto(ACTIVATIONS, msg.activations),
+                       pace=_to_proto(PACE, msg.pace), lead=msg.lead)
     if msg.chat is not None:
         open_msg.chat.messages.extend(
             pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -73,15 +100,6 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
         open_msg.resume.CopyFrom(pb.Resume(session_id=msg.resume.session_id,
                                            generated_ids=msg.resume.generated_ids))
     return open_msg
-
-
-def _pace_to_proto(pace: Pace | None) -> str:
-    return f"PACE_{'UNSPECIFIED' if pace is None else pace.name}"
-
-
-def _pace_from_proto(value: int) -> Pace | None:
-    name = pb.Pace.Name(value).removeprefix("PACE_")
-    return None if name == "UNSPECIFIED" else Pace[name]
 
 
 def generate_to_proto(msg: GenerateRequest) -> pb.GenerateRequest:
@@ -121,12 +139,12 @@ def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
 
 def _open_from_proto(msg: pb.Open) -> OpenRequest:
     common: dict[str, Any] = dict(max_new_tokens=msg.max_new_tokens, sampling=_sampling_from_proto(msg.sampling),
-                  acceptance=_mode_from_proto(msg.acceptance),
+                  acceptance=_from_proto(ACCEPTANCE, msg.acceptance),
                   stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
                   resume=(Resume(msg.resume.session_id, tuple(msg.resume.generated_ids))
                           if msg.HasField("resume") else None),
-                  activations=activation_format_from_proto(msg.activations),
-                  pace=_pace_from_proto(msg.pace), lead=msg.lead)
+                  activations=_from_proto(ACTIVATIONS, msg.activations),
+                  pace=_from_proto(PACE, msg.pace), lead=msg.lead)
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
@@ -150,21 +168,12 @@ def _sampling_from_proto(msg: pb.Sampling) -> SamplingParams:
         raise InvalidRequest(f"sampling: {err}") from None
 
 
-def _mode_to_proto(mode: AcceptanceMode | None) -> str:
-    return f"ACCEPTANCE_MODE_{'UNSPECIFIED' if mode is None else mode.name}"
-
-
-def _mode_from_proto(value: int) -> AcceptanceMode | None:
-    name = pb.AcceptanceMode.Name(value).removeprefix("ACCEPTANCE_MODE_")
-    return None if name == "UNSPECIFIED" else AcceptanceMode[name]
-
-
 def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
     if isinstance(msg, Opened):
         return pb.ServerMessage(opened=pb.Opened(
             session_id=msg.session_id, prompt_ids=msg.prompt_ids,
-            acceptance=_mode_to_proto(msg.acceptance), seed=msg.seed,
-            resumed=msg.resumed, pace=_pace_to_proto(msg.pace), lead=msg.lead))
+            acceptance=_to_proto(ACCEPTANCE, msg.acceptance), seed=msg.seed,
+            resumed=msg.resumed, pace=_to_proto(PACE, msg.pace), lead=msg.lead))
     if isinstance(msg, Verdict):
         verdict = pb.Verdict(
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
@@ -222,7 +231,7 @@ def _activations_to_proto(rows: ActivationRows) -> pb.Activations:
     """fp16 values, or int8 values with one fp16 scale per row (shared/activation_codec.py)."""
     n, width = rows.values.shape
     msg = pb.Activations(start=rows.start, rows=n, width=width,
-                         format=pb.ActivationFormat.Value(f"ACTIVATION_FORMAT_{rows.format.name}"))
+                         format=_to_proto(ACTIVATIONS, rows.format))
     if rows.format is ActivationFormat.INT8:
         values, scales = to_int8(rows.values)
         msg.data, msg.scales = values.tobytes(), scales.astype("<f2").tobytes()
@@ -232,7 +241,7 @@ def _activations_to_proto(rows: ActivationRows) -> pb.Activations:
 
 
 def _activations_from_proto(msg: pb.Activations) -> ActivationRows:
-    fmt = activation_format_from_proto(msg.format)
+    fmt = _from_proto(ACTIVATIONS, msg.format)
     if fmt is None:
         raise ValueError("activations without a format")
     shape = (msg.rows, msg.width)
@@ -247,22 +256,13 @@ def _activations_from_proto(msg: pb.Activations) -> ActivationRows:
     return ActivationRows(msg.start, values.astype(np.float32), fmt)
 
 
-def activation_format_to_proto(fmt: ActivationFormat | None) -> str:
-    return f"ACTIVATION_FORMAT_{'UNSPECIFIED' if fmt is None else fmt.name}"
-
-
-def activation_format_from_proto(value: int) -> ActivationFormat | None:
-    name = pb.ActivationFormat.Name(value).removeprefix("ACTIVATION_FORMAT_")
-    return None if name == "UNSPECIFIED" else ActivationFormat[name]
-
-
 def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     kind = msg.WhichOneof("kind")
     if kind == "opened":
         o = msg.opened
-        acceptance = _mode_from_proto(o.acceptance) or AcceptanceMode.GREEDY
+        acceptance = _from_proto(ACCEPTANCE, o.acceptance) or AcceptanceMode.GREEDY
         return Opened(o.session_id, tuple(o.prompt_ids), acceptance, o.seed,
-                      o.resumed, _pace_from_proto(o.pace) or Pace.LOCKSTEP, o.lead)
+                      o.resumed, _from_proto(PACE, o.pace) or Pace.LOCKSTEP, o.lead)
     if kind == "verdict":
         v = msg.verdict
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,
