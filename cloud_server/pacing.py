@@ -21,7 +21,6 @@ from shared.errors import OutOfOrder
 from shared.messages import DraftRequest, Pace, Verdict
 
 
-
 @dataclass(frozen=True)
 class PacingPolicy:
     """The server's side of pacing: what a session gets when its Open leaves pace or lead
