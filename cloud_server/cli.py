@@ -14,6 +14,9 @@ from shared.drafting import DRAFTERS
 from shared.drafting.base import DrafterName
 from shared.messages import Limits, Pace
 
+# What the `cloud` extra installs (pyproject.toml): an edge-only install has none of these.
+CLOUD_EXTRA_MODULES = frozenset({"torch", "transformers", "accelerate", "gguf", "grpc_health",
+                                 "onnx", "safetensors"})
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = Limits()
@@ -66,7 +69,18 @@ def limits_from(args: argparse.Namespace) -> Limits:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except ModuleNotFoundError as err:
+        if (err.name or "").partition(".")[0] not in CLOUD_EXTRA_MODULES:
+            raise
+        print(f"cloud-server: error: the server needs the cloud extra, which is not installed "
+              f"(no module '{err.name}'): pip install 'splitdec[cloud]' (README, Installing one side)",
+              file=sys.stderr)
+        return 1
+
+
+def run(argv: list[str]) -> int:
     if argv[:1] == ["train-drafter"]:
         from cloud_server.training.cli import main as train_drafter
 

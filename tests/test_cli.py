@@ -46,6 +46,28 @@ def test_bad_arguments_exit_2(args):
     assert len(proc.stderr.strip().splitlines()[-1:]) == 1
 
 
+# An edge-only install: the server's modules cannot be imported.
+WITHOUT_CLOUD_EXTRA = """
+import sys
+class NoCloudExtra:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in {"torch", "grpc_health"}:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+sys.meta_path.insert(0, NoCloudExtra())
+from cloud_server.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("args", [["--port", "0"], ["train-drafter", "--out", "x"]])
+def test_server_without_its_extra_says_what_to_install(args):
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_CLOUD_EXTRA, *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "splitdec[cloud]" in lines[0], proc.stderr
+
+
 @pytest.mark.slow
 def test_ask_and_batch_against_real_server(tmp_path):
     with running_server() as address:
