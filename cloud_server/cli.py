@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     except ModuleNotFoundError as err:
         if (err.name or "").partition(".")[0] not in CLOUD_EXTRA_MODULES:
             raise
-        print(f"cloud-server: error: the server needs the cloud extra, which is not installed "
-              f"(no module '{err.name}'): pip install 'splitdec[cloud]' (README, Installing one side)",
+        print(f"cloud-server: error: no module '{err.name}': the server needs the cloud "
+              f"extra: pip install 'splitdec[cloud]' (README, Installing one side)",
               file=sys.stderr)
         return 1
 
