@@ -1,7 +1,9 @@
-"""`edge-client`: answer one prompt with live output, or a JSONL file of prompts (`run`).
+"""`edge-client`: answer one prompt with live output, a JSONL file of prompts (`run`), or
+serve an OpenAI-compatible HTTP endpoint (`serve`).
 
     edge-client --server HOST:PORT "prompt"
     edge-client run --server HOST:PORT --prompts IN.jsonl --out OUT.jsonl
+    edge-client serve --server HOST:PORT [--port 8000]
 """
 from __future__ import annotations
 
@@ -123,6 +125,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args = p.parse_args(argv[1:])
         args.command = "run"
         return args
+    if argv[:1] == ["serve"]:
+        p = argparse.ArgumentParser(
+            prog="edge-client serve",
+            description="an OpenAI-compatible endpoint (/v1/chat/completions, /v1/completions, "
+                        "/v1/models) backed by split decoding; a field a request leaves out "
+                        "takes the value of the flag below")
+        add_common(p)
+        p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+        p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+        args = p.parse_args(argv[1:])
+        args.command = "serve"
+        return args
     p = argparse.ArgumentParser(prog="edge-client", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common(p)
@@ -171,6 +185,13 @@ async def batch(args: argparse.Namespace, options: ClientOptions, address: str) 
     return 0 if failed == 0 else 1
 
 
+async def serve(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
+    from edge_client.openai_compat.serving import serve as serve_http
+
+    await serve_http(address, options, args.host, args.port)
+    return 0
+
+
 def options_from(args: argparse.Namespace) -> ClientOptions:
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -195,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         print(f"edge-client: error: {err}", file=sys.stderr)
         return EXIT_USAGE
-    command = ask if args.command == "ask" else batch
+    command = {"ask": ask, "run": batch, "serve": serve}[args.command]
     try:
         with server_path(args) as address:
             return asyncio.run(command(args, options, address))

@@ -22,7 +22,12 @@ GRPC_FRAME_BYTES = 5  # length-prefixed message header
 
 
 class LinkError(Exception):
-    """The server refused a request or broke the protocol; the message is one line."""
+    """The server refused a request or broke the protocol; the message is one line.
+    `code` is the gRPC status of a refusal, lower case ("invalid_argument"), or None."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class ServerUnreachable(LinkError):
@@ -76,7 +81,8 @@ def status_error(code: grpc.StatusCode, details: str | None, address: str) -> Li
         return ServerUnreachable(f"cannot reach the server at {address} ({text})")
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return ServerUnreachable(f"the server at {address} did not answer in time")
-    return LinkError(f"the server at {address} refused: {code.name.lower()}: {text}")
+    name = code.name.lower()
+    return LinkError(f"the server at {address} refused: {name}: {text}", code=name)
 
 
 def link_error(err: grpc.aio.AioRpcError, address: str) -> LinkError:

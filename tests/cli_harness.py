@@ -1,4 +1,5 @@
-"""Starts `cloud-server --port 0` as a real process and stops it with SIGTERM."""
+"""Starts the long-running CLIs (`cloud-server`, `edge-client serve`) as real processes on free
+ports and stops them with SIGTERM."""
 from __future__ import annotations
 
 import contextlib
@@ -12,16 +13,32 @@ STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF
 
 
 @contextlib.contextmanager
-def running_server(*extra: str) -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", "0",
-                             "--device", "cpu", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def first_line(command: list[str], prefix: str, timeout_s: float) -> Iterator[str]:
+    """Starts a long-running CLI, yields what follows `prefix` on its first stdout line, and
+    stops it with SIGTERM on the way out (it must exit 0)."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
-        assert ready, f"cloud-server printed nothing in {STARTUP_TIMEOUT_S} s"
+        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+        assert ready, f"{command[2]} printed nothing in {timeout_s} s"
         line = proc.stdout.readline().strip()
-        assert line.startswith("listening on "), f"unexpected first line {line!r}"
-        yield line.removeprefix("listening on ")
+        assert line.startswith(prefix), f"unexpected first line {line!r}"
+        yield line.removeprefix(prefix)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
+
+
+@contextlib.contextmanager
+def running_server(*extra: str) -> Iterator[str]:
+    """A cloud-server on a free port; yields HOST:PORT."""
+    with first_line([sys.executable, "-m", "cloud_server.cli", "--port", "0", "--device", "cpu",
+                     *extra], "listening on ", STARTUP_TIMEOUT_S) as address:
+        yield address
+
+
+@contextlib.contextmanager
+def running_endpoint(server: str, *extra: str) -> Iterator[str]:
+    """`edge-client serve` on a free port; yields its base URL (http://HOST:PORT/v1)."""
+    with first_line([sys.executable, "-m", "edge_client.cli", "serve", "--server", server,
+                     "--port", "0", *extra], "serving ", STARTUP_TIMEOUT_S) as line:
+        yield line.split()[0]

@@ -6,7 +6,8 @@ import sys
 
 EDGE_MODULES = ["edge_client.cli", "edge_client.client", "edge_client.batch",
                 "edge_client.generate", "edge_client.link", "edge_client.drafters",
-                "edge_client.server_only", "netsim", "netsim.cli"]
+                "edge_client.server_only", "edge_client.openai_compat.app",
+                "edge_client.openai_compat.serving", "netsim", "netsim.cli"]
 
 
 def test_edge_client_does_not_import_torch():

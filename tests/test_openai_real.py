@@ -1,0 +1,38 @@
+"""`edge-client serve` on the real model, driven by the official `openai` client: the same
+answer as `edge-client` for the same prompt and settings, streamed or not."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import openai
+import pytest
+
+from tests.cli_harness import running_endpoint, running_server
+
+PROMPT = "Write a short poem about the sea."
+FLAGS = ["--max-new-tokens", "24", "--drafter", "pld"]
+
+
+@pytest.mark.slow
+def test_openai_client_gets_the_cli_answer():
+    with running_server() as address:
+        cli = subprocess.run([sys.executable, "-m", "edge_client.cli", "--server", address,
+                              *FLAGS, PROMPT], capture_output=True, text=True, timeout=120)
+        assert cli.returncode == 0, cli.stderr
+        with running_endpoint(address, *FLAGS) as base_url:
+            api = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0)
+            model = api.models.list().data[0].id
+            messages = [{"role": "user", "content": PROMPT}]
+            whole = api.chat.completions.create(model=model, messages=messages)
+            stream = api.chat.completions.create(model=model, messages=messages, stream=True)
+            streamed = "".join(c.choices[0].delta.content or "" for c in stream)
+            sampled = [api.chat.completions.create(model=model, messages=messages,
+                                                   temperature=0.8, seed=11, max_tokens=8)
+                       for _ in range(2)]
+    answer = cli.stdout.removesuffix("\n")  # the CLI ends its answer with a newline
+    assert model == "SmolLM2-135M-Instruct"
+    assert whole.choices[0].message.content == streamed == answer
+    assert whole.usage.completion_tokens == 24 and whole.choices[0].finish_reason == "length"
+    assert whole.model_extra["split_decoding"]["tau"] > 1
+    assert all(s.usage.completion_tokens == 8 for s in sampled)
