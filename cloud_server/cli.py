@@ -10,6 +10,7 @@ import sys
 
 from cloud_server.pacing import PacingPolicy
 from cloud_server.device import Device
+from shared import progress
 from shared.drafting import DRAFTERS
 from shared.drafting.base import DrafterName
 from shared.messages import Limits, Pace
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--own-drafter", choices=(*sorted(DRAFTERS), "none"), default=pacing.drafter,
                    help="the drafter the server runs for its own candidates in paced "
                         "sessions (default %(default)s)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (the GGUF conversion, the bundle build); a pipe "
+                        "gets none either")
     args = p.parse_args(argv)
     if not 1 <= args.lead <= args.max_lead:
         p.error(f"--lead must be between 1 and --max-lead ({args.max_lead})")
@@ -86,6 +90,8 @@ def run(argv: list[str]) -> int:
 
         return train_drafter(argv[1:])
     args = parse_args(argv)
+    if args.quiet:
+        progress.set_quiet()
     try:
         from cloud_server import model_store
         from cloud_server.model_thread import ModelThread
@@ -94,6 +100,7 @@ def run(argv: list[str]) -> int:
 
         from cloud_server.drafter_serving import find_drafter
 
+        model_store.follow_progress_setting()
         path, model_id = model_store.resolve(args.model)
         drafter_dir = find_drafter(args.drafter_dir, model_id)
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from shared import progress
 from shared.cache import cache_root
 
 DEFAULT_SPEC = "default"
@@ -49,6 +50,15 @@ def default_checkpoint() -> Path:
     if not (target / "config.json").is_file():
         convert_gguf(source, target)
     return target
+
+
+def follow_progress_setting() -> None:
+    """transformers draws bars of its own (the GGUF conversion, loading weights): let it only
+    where ours are shown (shared/progress.py)."""
+    if not progress.shown():
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
 
 
 def convert_gguf(source: Path, target: Path) -> None:

@@ -28,6 +28,7 @@ from edge_client.generate import GenerationResult
 from edge_client.link import LinkError
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.server_only import Mode
+from shared import progress
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
 from shared.messages import ActivationFormat, ChatMessage, Pace
@@ -82,6 +83,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "received (default: the server's, 32)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar for the drafter's download (a pipe gets none either)")
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
                    help="draft nodes per round, or 'auto' (default): sized each round from the "
                         "server's measured verify cost and the drafter's measured acceptance")
@@ -211,6 +214,8 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.quiet:
+        progress.set_quiet()
     try:
         options = options_from(args)
     except BadInput as err:

@@ -23,6 +23,7 @@ import torch
 
 from cloud_server.moa.export import TOP_K, export_edge, quantize_int8
 from cloud_server.moa.weights import load_drafter
+from shared import progress
 from shared.drafter_bundle import (
     GRAPH_FILES, MANIFEST_NAME, TOKENIZER_NAME, BundleManifest, Graph, Precision,
 )
@@ -42,12 +43,16 @@ def build_bundle(drafter_dir: Path, target: torch.nn.Module, model_id: str, out_
     out_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_root, prefix=".building-"))
     try:
-        export_edge(edge, staging, top_k)
-        for graph in Graph:
-            if Precision.INT8 in precisions:
-                quantize_int8(staging / FP32[graph], staging / INT8[graph])
-            if Precision.FP32 not in precisions:
-                (staging / FP32[graph]).unlink()
+        quantized = Precision.INT8 in precisions
+        with progress.bar(1 + quantized * len(Graph), "drafter bundle", unit="step") as shown:
+            export_edge(edge, staging, top_k)
+            shown.update()
+            for graph in Graph:
+                if quantized:
+                    quantize_int8(staging / FP32[graph], staging / INT8[graph])
+                    shown.update()
+                if Precision.FP32 not in precisions:
+                    (staging / FP32[graph]).unlink()
         if tokenizer_json is not None:
             (staging / TOKENIZER_NAME).write_bytes(tokenizer_json)
         files = {p.name: _sha256(p.read_bytes()) for p in sorted(staging.iterdir())}

@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from shared import progress
+
 ANSWERS = "answers.jsonl"
 SUMMARY = "training.json"
 
@@ -44,11 +46,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "the target's activations)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars and no progress lines")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.quiet:
+        progress.set_quiet()
     from cloud_server import model_store
     from cloud_server.training import data
     from cloud_server.training.moa import CHECKPOINT, Trainer, TrainSettings
@@ -60,6 +66,7 @@ def main(argv: list[str]) -> int:
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
+    model_store.follow_progress_setting()
     path, model_id = model_store.resolve(args.model)
     target = TargetModel.load(path, model_id, args.device)
     prompts = data.encode_prompts(target, data.training_prompts()[:args.max_prompts],

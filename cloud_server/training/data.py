@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 from transformers import DynamicCache
 
+from shared import progress
 from cloud_server.target import TargetModel
 from shared.messages import ChatMessage
 
@@ -105,7 +106,7 @@ def generate_answers(target: TargetModel, prompts: list[list[int]], path: Path,
     done = sum(1 for _ in path.open()) if path.exists() else 0
     todo = prompts[done:]
     start, produced = time.monotonic(), 0
-    with path.open("a") as f:
+    with path.open("a") as f, progress.bar(len(prompts), "answers", "prompt", initial=done) as bar:
         for i in range(0, len(todo), batch_size):
             batch = todo[i:i + batch_size]
             for prompt, answer in zip(batch, answer_batch(target, batch, max_new_tokens)):
@@ -113,10 +114,13 @@ def generate_answers(target: TargetModel, prompts: list[list[int]], path: Path,
                 produced += len(answer)
             f.flush()
             elapsed = time.monotonic() - start
-            finished = done + i + len(batch)
-            print(f"answers {finished}/{len(prompts)}  {produced / elapsed:.0f} tokens/s  "
-                  f"ETA {elapsed / (i + len(batch)) * (len(todo) - i - len(batch)):.0f} s",
-                  file=sys.stderr, flush=True)
+            bar.update(len(batch))
+            bar.set_postfix_str(f"{produced / elapsed:.0f} tokens/s")
+            if progress.log_lines():
+                finished = done + i + len(batch)
+                print(f"answers {finished}/{len(prompts)}  {produced / elapsed:.0f} tokens/s  "
+                      f"ETA {elapsed / (i + len(batch)) * (len(todo) - i - len(batch)):.0f} s",
+                      file=sys.stderr, flush=True)
 
 
 def load_samples(path: Path) -> list[Sample]:

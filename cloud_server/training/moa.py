@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shared import progress
 from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
 from cloud_server.training.boundaries import causal_mask, cross_mask
 from cloud_server.moa.config import MoaConfig
@@ -203,25 +204,35 @@ class Trainer:
         """Trains to `settings.steps`; prints progress, checkpoints, writes the weights."""
         start, positions = time.monotonic(), 0
         first, running = self.step_count, dict[str, float]()
-        while self.step_count < self.settings.steps:
-            stats = self.train_step(self.batch_for(self.step_count))
-            positions += int(stats.pop("positions"))
-            running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
-            if self.step_count % log_every == 0 or self.step_count == self.settings.steps:
-                elapsed = time.monotonic() - start
-                left = (self.settings.steps - self.step_count) * elapsed / (self.step_count - first)
-                print(f"step {self.step_count}/{self.settings.steps}  "
-                      f"{positions / elapsed:.0f} tokens/s  loss {running['loss']:.3f}  "
-                      f"kl {running['kl']:.3f}  feature {running['feature']:.4f}  "
-                      f"top1 {running['top1']:.3f}{_independent(running)}  "
-                      f"ETA {left / 60:.1f} min",
-                      file=sys.stderr, flush=True)
-            if self.step_count % self.settings.checkpoint_every == 0:
-                self.save_checkpoint()
+        with progress.bar(self.settings.steps, "training", "step", initial=first) as bar:
+            while self.step_count < self.settings.steps:
+                stats = self.train_step(self.batch_for(self.step_count))
+                positions += int(stats.pop("positions"))
+                running = {k: 0.9 * running.get(k, v) + 0.1 * v for k, v in stats.items()}
+                bar.update()
+                bar.set_postfix_str(f"loss {running['loss']:.3f} top1 {running['top1']:.3f}",
+                                    refresh=False)
+                self._log(running, start, first, positions, log_every)
+                if self.step_count % self.settings.checkpoint_every == 0:
+                    self.save_checkpoint()
         self.save_checkpoint()
         for student, out in zip(self.students, (self.out, self.out / INDEPENDENT)):
             save_weights(out, student.config, student.server, student.edge)
         return running
+
+    def _log(self, running: dict[str, float], start: float, first: int, positions: int,
+             log_every: int) -> None:
+        """A line every `log_every` steps where no bar is shown (a pipe, a log file)."""
+        if not progress.log_lines() or (self.step_count % log_every
+                                        and self.step_count != self.settings.steps):
+            return
+        elapsed = time.monotonic() - start
+        left = (self.settings.steps - self.step_count) * elapsed / (self.step_count - first)
+        print(f"step {self.step_count}/{self.settings.steps}  "
+              f"{positions / elapsed:.0f} tokens/s  loss {running['loss']:.3f}  "
+              f"kl {running['kl']:.3f}  feature {running['feature']:.4f}  "
+              f"top1 {running['top1']:.3f}{_independent(running)}  ETA {left / 60:.1f} min",
+              file=sys.stderr, flush=True)
 
     def save_checkpoint(self) -> None:
         state = {"students": [student.state() for student in self.students],
