@@ -11,7 +11,7 @@ from typing import AsyncIterator
 
 import grpc
 
-from shared import keepalive, wire
+from shared import keepalive, progress, wire
 from shared.messages import (
     ClientMessage, GenerateRequest, ServerInfo, ServerMessage, Verdict,
 )
@@ -55,11 +55,20 @@ class LinkConfig:
     max_message_bytes: int = 16 * 1024 * 1024
 
 
-def channel_options(config: LinkConfig) -> list[tuple[str, int]]:
+def channel_options(config: LinkConfig, bulk: bool = False) -> list[tuple[str, int]]:
+    """The generation's channel, or with `bulk` the downloads' (ServerLink._bulk_stub)."""
+    if bulk:
+        return [*_common_options(config),
+                *keepalive.client_options(keepalive.BULK_PING_TIMEOUT_MS)]
     return [
-        ("grpc.max_receive_message_length", config.max_message_bytes),
-        ("grpc.max_send_message_length", config.max_message_bytes),
+        *_common_options(config),
         *keepalive.client_options(),
+        # A ping's answer queues behind the data in flight, which BDP probing lets grow to
+        # megabytes: a long prompt's MoA activations (600 KB) then held it past the 1 s ping
+        # timeout on 3G, and the session never got through (measured with netsim). The fixed
+        # 64 KB window keeps the queue under 0.3 s there; it costs 13% (4G) to 34% (satellite)
+        # of the first token's time for such a prompt, and nothing on a LAN.
+        ("grpc.http2.bdp_probe", 0),
         # After a drop, the channel redials quickly instead of grpc's default 1 s to 120 s
         # backoff; the client's own reconnect loop (offline.py) paces the attempts. Leave
         # grpc.min_reconnect_backoff_ms alone: it is also the connect timeout, and at 100 ms a
@@ -67,6 +76,11 @@ def channel_options(config: LinkConfig) -> list[tuple[str, int]]:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 300),
     ]
+
+
+def _common_options(config: LinkConfig) -> list[tuple[str, int]]:
+    return [("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes)]
 
 
 # Codes that say the link or the server went away, not that the server refused the request:
@@ -95,12 +109,24 @@ class ServerLink:
         self.config = config
         self._channel = grpc.aio.insecure_channel(address, options=channel_options(config))
         self._stub = pb_grpc.SplitDecodingStub(self._channel)
+        self._bulk: grpc.aio.Channel | None = None  # downloads: opened on the first one
 
     async def __aenter__(self) -> "ServerLink":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self._channel.close()
+        if self._bulk is not None:
+            await self._bulk.close()
+
+    def _bulk_stub(self) -> pb_grpc.SplitDecodingStub:
+        """Downloads run on a channel of their own, whose keepalive waits out a link full of
+        the download's own data (keepalive.BULK_PING_TIMEOUT_MS); the generation's channel
+        keeps its fast detection of a dead link."""
+        if self._bulk is None:
+            self._bulk = grpc.aio.insecure_channel(self.address,
+                                                   options=channel_options(self.config, bulk=True))
+        return pb_grpc.SplitDecodingStub(self._bulk)
 
     async def info(self) -> ServerInfo:
         try:
@@ -111,13 +137,16 @@ class ServerLink:
 
     async def fetch_artifact(self, name: str, sha256: str, size_bytes: int = 0) -> bytes:
         """Downloads an artifact in chunks and checks it against the sha256 Info announced;
-        the deadline grows with the size Info announced (LinkConfig.fetch_min_rate)."""
+        the deadline grows with the size Info announced (LinkConfig.fetch_min_rate). A bar
+        shows the download on a terminal (shared/progress.py)."""
         parts: list[bytes] = []
         timeout = self.config.fetch_timeout_s + size_bytes / self.config.fetch_min_rate
         try:
-            async for chunk in self._stub.FetchArtifact(pb.FetchArtifactRequest(name=name),
-                                                        timeout=timeout):
-                parts.append(chunk.data)
+            with progress.bar(size_bytes or None, name, bytes_=True) as shown:
+                async for chunk in self._bulk_stub().FetchArtifact(
+                        pb.FetchArtifactRequest(name=name), timeout=timeout):
+                    parts.append(chunk.data)
+                    shown.update(len(chunk.data))
         except grpc.aio.AioRpcError as err:
             raise link_error(err, self.address) from None
         data = b"".join(parts)

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 PING_INTERVAL_MS = 1000
 PING_TIMEOUT_MS = 1000
+# Downloads (the tokenizer, the drafter bundle) fill the link with their own data, and a ping's
+# answer waits behind it in the link's queue: 1.5 MB queued on 3G's 2 Mbit/s is 6 s, so a 1 s
+# timeout drops every download there (measured with netsim). Their channel waits this long.
+BULK_PING_TIMEOUT_MS = 30_000
 # The server accepts pings twice as often as the edge sends them: timer jitter never trips it.
 SERVER_MIN_PING_INTERVAL_MS = PING_INTERVAL_MS // 2
 
 Options = list[tuple[str, int]]
 
 
-def client_options() -> Options:
+def client_options(ping_timeout_ms: int = PING_TIMEOUT_MS) -> Options:
     return [
         ("grpc.keepalive_time_ms", PING_INTERVAL_MS),
-        ("grpc.keepalive_timeout_ms", PING_TIMEOUT_MS),
+        ("grpc.keepalive_timeout_ms", ping_timeout_ms),
         # Without this grpcio 1.85 never times a ping out on a black-holed link (measured with
         # netsim: a 10 s black hole went unnoticed; with it, UNAVAILABLE after ~1.4 s).
-        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", ping_timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]

@@ -172,3 +172,23 @@ def test_bad_network_spec_exits_2():
     proc = subprocess.run(EDGE + ["--server", "x:1", "--network", "dialup", "hi"],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2 and "network" in proc.stderr
+
+
+@pytest.mark.slow
+def test_long_prompt_with_moa_activations_over_3g(tmp_path):
+    """A 500-token prompt's activations (600 KB) take 2.4 s at 3G's 2 Mbit/s. The keepalive
+    ping's answer queues behind them: with the window BDP probing grew, the session dropped at
+    every try and never got through (edge_client/link.py, channel_options)."""
+    prompt = "Summarize in one sentence: " + " ".join(
+        ["The quick brown fox jumps over the lazy dog near the river while the farmer watches."]
+        * 25)
+    env = {**os.environ, "SPLITDEC_CACHE": str(tmp_path / "edge-cache")}
+    with running_server() as address:
+        answers = [subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "16",
+                                          "--drafter", "moa", *network, prompt],
+                                  capture_output=True, text=True, timeout=240, env=env)
+                   for network in ([], ["--network", "3g", "--reconnect-timeout", "20"])]
+    for proc in answers:
+        assert proc.returncode == 0, proc.stderr
+        assert "reconnects" not in proc.stderr, proc.stderr
+    assert answers[0].stdout == answers[1].stdout

@@ -146,6 +146,25 @@ def test_bundle_fetch_deadline_grows_with_its_size(moa_server):
             asyncio.run(fetch(proxy.address, bundle.size_bytes * 5))  # 0.4 s allowed
 
 
+def test_a_download_that_fills_the_link_for_seconds_survives_keepalive(moa_server):
+    """The bundle takes ~3 s on this link, and a ping's answer waits behind it in the queue,
+    past the generation channel's 1 s ping timeout: the download's own channel waits it out
+    (shared/keepalive.py). Measured before: every download on 3G failed this way."""
+    from edge_client.link import ServerLink
+
+    bundle = next(a for a in moa_server.service.info().artifacts
+                  if a.kind is ArtifactKind.DRAFTER_BUNDLE)
+    mbit = bundle.size_bytes * 8 / 1e6 / 3
+    conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=20, bandwidth_mbit=mbit))
+
+    async def fetch(address: str) -> bytes:
+        async with ServerLink(address) as link:
+            return await link.fetch_artifact(bundle.name, bundle.sha256, bundle.size_bytes)
+
+    with ProxyThread(moa_server.address, conditions) as proxy:
+        assert len(asyncio.run(fetch(proxy.address))) == bundle.size_bytes
+
+
 def test_auto_has_no_sampling_rule_until_resolved():
     """A sampled request is built from an entered client's options, where 'auto' is resolved."""
     with pytest.raises(ValueError, match="auto"):
