@@ -14,7 +14,6 @@ from shared.cache import cache_root
 from shared.messages import TOKENIZER_ARTIFACT, ServerInfo
 
 
-
 def tokenizer_cache_path(sha256: str) -> Path:
     return cache_root() / "tokenizers" / f"{sha256}.json"
 
@@ -23,7 +22,8 @@ async def load_tokenizer(link: ServerLink, info: ServerInfo) -> Tokenizer:
     """The tokenizer Info announces, from the local cache or downloaded into it."""
     path = tokenizer_cache_path(info.tokenizer_sha256)
     if not path.is_file():
-        data = await link.fetch_artifact(TOKENIZER_ARTIFACT, info.tokenizer_sha256)
+        size = next((a.size_bytes for a in info.artifacts if a.name == TOKENIZER_ARTIFACT), 0)
+        data = await link.fetch_artifact(TOKENIZER_ARTIFACT, info.tokenizer_sha256, size)
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.with_suffix(".part")
         staging.write_bytes(data)
