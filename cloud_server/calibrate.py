@@ -11,6 +11,7 @@ import statistics
 import time
 
 from cloud_server.target import TargetModel, keep_path
+from shared import progress
 from shared.tree import DraftTree
 
 PREFIX_TOKENS = 128
@@ -46,9 +47,14 @@ def measure_verify_costs(target: TargetModel, max_nodes: int, repeat: int = 3
         keep_path(cache, PREFIX_TOKENS, ())
         return 1000 * (time.perf_counter() - start)
 
-    for tree in trees:  # first calls per shape build kernels: keep them out of the figures
-        run(tree)
-    medians = [statistics.median(run(tree) for _ in range(repeat)) for tree in trees]
+    with progress.bar(2 * len(trees), "measuring verify costs", "tree size") as shown:
+        for tree in trees:  # first calls per shape build kernels: keep them out of the figures
+            run(tree)
+            shown.update()
+        medians = []
+        for tree in trees:
+            medians.append(statistics.median(run(tree) for _ in range(repeat)))
+            shown.update()
     for i in range(len(medians) - 2, -1, -1):
         medians[i] = min(medians[i], medians[i + 1])
     return tuple(zip(sizes, medians))
