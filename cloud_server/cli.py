@@ -1,6 +1,7 @@
 """`cloud-server`: loads the target model and serves split decoding over gRPC.
 
-`cloud-server train-drafter ...` trains the MoA drafter instead (cloud_server/training/cli.py).
+`cloud-server train-drafter ...` trains the MoA drafter instead (cloud_server/training/cli.py);
+`cloud-server health ...` asks a running server whether it serves (cloud_server/health_check.py).
 """
 from __future__ import annotations
 
@@ -89,6 +90,10 @@ def run(argv: list[str]) -> int:
         from cloud_server.training.cli import main as train_drafter
 
         return train_drafter(argv[1:])
+    if argv[:1] == ["health"]:
+        from cloud_server.health_check import main as health
+
+        return health(argv[1:])
     args = parse_args(argv)
     if args.quiet:
         progress.set_quiet()

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_server.artifacts import ArtifactStore
 from cloud_server.calibrate import measure_verify_costs
+from cloud_server.health_check import SERVICE_NAME
 from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.pacing import PacingPolicy
@@ -18,9 +19,8 @@ from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared import keepalive
 from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind, Limits
-from shared.pb.splitdec.v1 import splitdec_pb2, splitdec_pb2_grpc
+from shared.pb.splitdec.v1 import splitdec_pb2_grpc
 
-SERVICE_NAME = splitdec_pb2.DESCRIPTOR.services_by_name["SplitDecoding"].full_name
 GRACE_S = 5.0
 
 

@@ -68,6 +68,19 @@ def test_server_without_its_extra_says_what_to_install(args):
     assert len(lines) == 1 and "splitdec[cloud]" in lines[0], proc.stderr
 
 
+def test_health_command_answers_for_a_serving_server(tiny_server):
+    health = [sys.executable, "-m", "cloud_server.cli", "health", "--timeout", "2"]
+    ok = subprocess.run(health + ["--server", tiny_server.address],
+                        capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    down = subprocess.run(health + ["--server", f"127.0.0.1:{free_port()}"],
+                          capture_output=True, text=True, timeout=30)
+    assert down.returncode == 1 and len(down.stderr.strip().splitlines()) == 1, down.stderr
+    unknown = subprocess.run(health + ["--server", tiny_server.address, "--service", "nope"],
+                             capture_output=True, text=True, timeout=30)
+    assert unknown.returncode == 1 and "not_found" in unknown.stderr
+
+
 @pytest.mark.slow
 def test_ask_and_batch_against_real_server(tmp_path):
     with running_server() as address:
