@@ -65,8 +65,10 @@ def slow_link(mode: OutageMode) -> NetworkConditions:
 def test_outage_loses_nothing(isolated_server, tiny_target, mode, moment, pace):
     duration = 0.8 if mode is OutageMode.CUT else 2.5  # a black hole shows only by keepalive
     rng = random.Random(f"{mode}/{moment}")
+    # A paced generation here takes ~0.3 s (the server's own lookup drafts run ahead of the
+    # one-node client trees), a lock-step one ~0.9 s: mid-round is early enough for both.
     outages = {"prefill": [(0.0, duration)],
-               "mid-round": [(rng.uniform(0.1, 0.5), duration)],
+               "mid-round": [(rng.uniform(0.08, 0.2), duration)],
                "during resume": [(0.2, duration), (0.2 + duration + 0.05, duration)]}[moment]
     with ProxyThread(isolated_server.address, slow_link(mode)) as proxy:
         result = asyncio.run(generate_with_outages(proxy.address, proxy, outages, pace=pace))
