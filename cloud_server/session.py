@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -116,6 +116,11 @@ class Session:
             raise InvalidRequest(f"resume brings {len(history)} generated tokens; the session "
                                  f"allows {self.max_new_tokens}")
         self._check_ids(history, "resumed token")
+        stop = self._first_stop_in(history)
+        if stop is not None:
+            raise InvalidRequest(f"resume history ends the generation at token {stop[0]} "
+                                 f"({stop[1].name.lower()}): a finished generation cannot "
+                                 "go on")
         return history
 
     def _check_ids(self, ids: list[int] | tuple[int, ...], what: str) -> None:
@@ -261,18 +266,27 @@ class Session:
         return tokens
 
     def _first_stop(self, tokens: tuple[int, ...]) -> tuple[int, FinishReason] | None:
-        """The index of the first token that ends the generation, and why. A stop string ends it
-        at the token that completes it, as the user would read the text (no special tokens)."""
-        generated = self.committed[len(self.prompt_ids):]
+        """The index of the first of `tokens` (next after the committed text) that ends the
+        generation, and why."""
+        return self._first_stop_in(tokens, self.committed[len(self.prompt_ids):])
+
+    def _first_stop_in(self, tokens: Sequence[int], generated: Sequence[int] = ()
+                       ) -> tuple[int, FinishReason] | None:
+        """The first of `tokens` that would end a generation that has produced `generated`. A
+        stop string ends it at the token that completes it, as the user would read the text
+        (no special tokens)."""
+        prefix = list(generated)
+        strings = bool(self._stop_strings) and self._has_stop_string(prefix + list(tokens))
         for i, token in enumerate(tokens):
             if token in self._stop_ids:
                 return i, FinishReason.STOP_TOKEN
-            if self._stop_strings:
-                text = self.target.tokenizer.decode(generated + list(tokens[: i + 1]),
-                                                    skip_special_tokens=True)
-                if any(s in text for s in self._stop_strings):
-                    return i, FinishReason.STOP_STRING
+            if strings and self._has_stop_string(prefix + list(tokens[: i + 1])):
+                return i, FinishReason.STOP_STRING
         return None
+
+    def _has_stop_string(self, ids: list[int]) -> bool:
+        text = self.target.tokenizer.decode(ids, skip_special_tokens=True)
+        return any(s in text for s in self._stop_strings)
 
     def done(self) -> Done:
         return Done(self.finish_reason, self.generated, self.rounds)

@@ -88,6 +88,27 @@ def test_resume_with_a_history_the_session_never_had_is_refused(isolated_server)
         asyncio.run(go())
 
 
+@pytest.mark.parametrize("stop", ["token", "string"])
+def test_a_history_past_the_end_of_the_generation_is_refused(isolated_server, tiny_target, stop):
+    """A rebuilt session must not generate past a stop its history already holds."""
+    async def go():
+        async with ServerLink(isolated_server.address) as link:
+            opened, generated = await open_and_step(link, 1)
+            text = tiny_target.tokenizer.decode(generated, skip_special_tokens=True)
+            eos = tiny_target.stop_token_ids()[0]
+            stream = link.decode()
+            await stream.send(OpenRequest(
+                prompt_ids=PROMPT, max_new_tokens=MAX_NEW,
+                stop_strings=(text,) if stop == "string" else (),
+                resume=Resume("gone", tuple(generated + [eos] if stop == "token" else generated))))
+            try:
+                await stream.recv()
+            finally:
+                stream.cancel()
+    with pytest.raises(LinkError, match="ends the generation"):
+        asyncio.run(go())
+
+
 async def server_generate(address: str, request: GenerateRequest) -> tuple[list[int], int]:
     tokens, forwards = [], 0
     async with ServerLink(address) as link:
