@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--own-drafter", choices=(*sorted(DRAFTERS), "none"), default=pacing.drafter,
                    help="the drafter the server runs for its own candidates in paced "
                         "sessions (default %(default)s)")
+    p.add_argument("--no-load-wait", action="store_true",
+                   help="auto pace: do not wait longer for client drafts while other sessions "
+                        "have work queued (README, Pacing)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars (the GGUF conversion, the bundle build); a pipe "
                         "gets none either")
@@ -64,7 +67,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def pacing_from(args: argparse.Namespace) -> PacingPolicy:
     return PacingPolicy(Pace(args.pace), args.lead, args.max_lead,
-                        None if args.own_drafter == "none" else DrafterName(args.own_drafter))
+                        None if args.own_drafter == "none" else DrafterName(args.own_drafter),
+                        load_wait=not args.no_load_wait)
 
 
 def limits_from(args: argparse.Namespace) -> Limits:

@@ -25,12 +25,14 @@ from shared.messages import DraftRequest, Pace, Verdict
 class PacingPolicy:
     """The server's side of pacing: what a session gets when its Open leaves pace or lead
     unset, the most lead it may ask for, and the drafter the server runs for its own
-    candidates (None: a forward without client candidates is a plain decoding step)."""
+    candidates (None: a forward without client candidates is a plain decoding step), and
+    whether `auto` waits longer for client drafts while other sessions have work queued."""
 
     pace: Pace = Pace.LOCKSTEP
     lead: int = 32
     max_lead: int = 256
     drafter: DrafterName | None = DrafterName.PLD
+    load_wait: bool = True
 
     def resolve(self, pace: Pace | None, lead: int) -> tuple[Pace, int]:
         return pace or self.pace, min(lead or self.lead, self.max_lead)
@@ -92,6 +94,9 @@ def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
+LOADED_WAIT_STEPS = 4  # AutoPace under load: the longest wait for a client's answer, in steps
+
+
 @dataclass
 class AutoPace:
     """When to wait for the client's answer to the latest Verdict before the next forward.
@@ -103,6 +108,11 @@ class AutoPace:
     the estimates are noisy (measured here: with a cap of four steps, auto on `4g` fell below
     lock-step, waiting for replies that came just too late). So auto behaves like lock-step
     where the client answers within half a step (a LAN) and like server pace where it cannot.
+
+    Under load (other sessions' work on the model) a forward is the scarce resource: waiting
+    costs the other sessions nothing, since the model runs their work meanwhile, and a forward
+    with the client's draft commits more per forward. So a busy server waits for an answer due
+    within LOADED_WAIT_STEPS steps.
     """
 
     step_s: float | None = None
@@ -115,9 +125,12 @@ class AutoPace:
         step = self.step_s or 0.03
         return min(step / 2, step * max(0.0, self.gain_client / self.gain_server - 1))
 
-    def wait_s(self, committed: int, now: float) -> float:
-        """How long to wait now for the answer to the Verdict that made `committed`."""
+    def wait_s(self, committed: int, now: float, busy: bool = False) -> float:
+        """How long to wait now for the answer to the Verdict that made `committed`; `busy`:
+        other sessions have work on the model."""
         allowance = self.allowance_s()
+        if busy and self.gain_client > self.gain_server:
+            allowance = (self.step_s or 0.03) * LOADED_WAIT_STEPS
         sent = self._sent_at.get(committed)
         if sent is None or self.reply_s is None:
             return allowance
@@ -148,9 +161,10 @@ Forward = Callable[[DraftRequest | None, float], Awaitable[Verdict]]
 
 async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
                     forward: Forward, send: Callable[[Verdict], Awaitable[None]], pace: Pace,
-                    lead: int) -> None:
+                    lead: int, busy: Callable[[], bool] = lambda: False) -> None:
     """Runs forwards until the generation finishes or the client goes away. `forward(draft,
-    queued_at)` verifies a draft (None: the server's own candidates only) on the model."""
+    queued_at)` verifies a draft (None: the server's own candidates only) on the model;
+    `busy()`: other sessions have work on the model (AutoPace waits longer then)."""
     auto = AutoPace() if pace is Pace.AUTO else None
     while not finished() and not inbox.closed:
         if not await inbox.wait(lambda: committed() - inbox.acked < lead, None):
@@ -161,7 +175,7 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
 
         if auto is not None:
             if not fresh():
-                await inbox.wait(fresh, auto.wait_s(committed(), time.monotonic()))
+                await inbox.wait(fresh, auto.wait_s(committed(), time.monotonic(), busy()))
             auto.answered(inbox.acked, inbox.acked_at)
         was_fresh, start = fresh(), time.perf_counter()
         verdict = await forward(inbox.draft, start)

@@ -232,7 +232,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                             lambda draft, queued_at: self._on_model(decoder.step, draft,
                                                                     queued_at),
                             lambda verdict: self._send(context, verdict), session.pace,
-                            session.lead)
+                            session.lead,
+                            lambda: self.pacing.load_wait and self._model_thread.pending > 0)
             if not session.finished and await reader is _Ended.GONE:
                 return False
             await self._send(context, session.done())

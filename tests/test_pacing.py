@@ -60,6 +60,37 @@ def test_auto_waits_for_a_reply_due_within_the_allowance_only():
     assert auto.wait_s(10, now=0.0) == 0.0
 
 
+def test_under_load_auto_waits_longer_for_drafts_that_pay():
+    auto = AutoPace(step_s=0.06, reply_s=0.1, gain_client=2.4, gain_server=1.2)
+    auto.sent(10, now=0.0)
+    assert auto.wait_s(10, now=0.0, busy=False) == 0.0  # alone: not worth 100 ms
+    assert 0.1 <= auto.wait_s(10, now=0.0, busy=True) <= 4 * 0.06  # loaded: worth it
+    auto.reply_s = 0.3  # past four steps: not even under load
+    assert auto.wait_s(10, now=0.0, busy=True) == 0.0
+    auto.reply_s, auto.gain_client = 0.1, 1.0  # drafts that do not pay: no wait at all
+    assert auto.wait_s(10, now=0.0, busy=True) == 0.0
+
+
+def test_model_thread_counts_the_work_queued_on_it():
+    import threading
+
+    from cloud_server.model_thread import ModelThread
+
+    thread, release = ModelThread(), threading.Event()
+
+    async def go() -> list[int]:
+        calls = [asyncio.ensure_future(thread.run(release.wait)) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        seen = [thread.pending]
+        release.set()
+        await asyncio.gather(*calls)
+        return seen + [thread.pending]
+    try:
+        assert asyncio.run(go()) == [2, 0]
+    finally:
+        thread.shutdown()
+
+
 def test_auto_learns_what_fresh_drafts_are_worth():
     auto = AutoPace()
     for _ in range(30):
