@@ -18,7 +18,7 @@ from shared.messages import Limits, Pace
 
 # What the `cloud` extra installs (pyproject.toml): an edge-only install has none of these.
 CLOUD_EXTRA_MODULES = frozenset({"torch", "transformers", "accelerate", "gguf", "grpc_health",
-                                 "onnx", "safetensors"})
+                                 "onnx", "safetensors", "prometheus_client"})
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = Limits()
@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--own-drafter", choices=(*sorted(DRAFTERS), "none"), default=pacing.drafter,
                    help="the drafter the server runs for its own candidates in paced "
                         "sessions (default %(default)s)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
+                        "port); off by default")
     p.add_argument("--no-load-wait", action="store_true",
                    help="auto pace: do not wait longer for client drafts while other sessions "
                         "have work queued (README, Pacing)")
@@ -119,6 +122,9 @@ def run(argv: list[str]) -> int:
         service = build_service(target, limits_from(args), model_thread, drafter_dir,
                                 pacing_from(args))
         print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
+        if args.metrics_port is not None:
+            bound = service.metrics.serve(args.host, args.metrics_port)
+            print(f"metrics on http://{args.host}:{bound}/metrics", file=sys.stderr, flush=True)
         asyncio.run(serve(service, args.host, args.port))
     except (OSError, RuntimeError, ValueError) as err:
         print(f"cloud-server: error: {err}", file=sys.stderr)

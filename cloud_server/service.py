@@ -18,6 +18,7 @@ import grpc
 
 from cloud_server.artifacts import ArtifactStore
 from cloud_server.drafter_serving import ServedDrafter
+from cloud_server.metrics import Metrics
 from cloud_server.model_thread import ModelThread
 from cloud_server.paced_decoder import PacedDecoder
 from cloud_server.pacing import Inbox, PacingPolicy, run_paced
@@ -58,27 +59,32 @@ class StreamBroken(Exception):
     """The client's stream died under a write: nobody is left to tell."""
 
 
-async def _send_parts(context, msg: ServerMessage, max_bytes: int) -> None:
-    """Writes `msg`; a Verdict whose activations pass `max_bytes` goes in parts."""
+async def _send_parts(context, msg: ServerMessage, max_bytes: int) -> int:
+    """Writes `msg`; a Verdict whose activations pass `max_bytes` goes in parts. Returns the
+    bytes written."""
     parts = wire.verdict_parts(msg, max_bytes) if isinstance(msg, Verdict) else [msg]
-    for part in parts:
-        await _write(context, part)
+    return sum([await _write(context, part) for part in parts])
 
 
-async def _write(context, msg: ServerMessage) -> None:
+async def _write(context, msg: ServerMessage) -> int:
+    proto = wire.server_to_proto(msg)
     try:
-        await context.write(wire.server_to_proto(msg))
+        await context.write(proto)
+        return proto.ByteSize()
     except asyncio.CancelledError:
         raise
     except Exception as err:  # grpc raises its internal ExecuteBatchError here
         raise StreamBroken(str(err)) from None
 
 
-async def _abort(context, err: Exception, handler_name: str) -> None:
+async def _abort(service: "SplitDecodingService", context, err: Exception,
+                 handler_name: str) -> None:
     """Ends the call with the status a domain error maps to, with its message; anything else
     is a bug on our side: logged, and INTERNAL for the caller."""
     if isinstance(err, SplitDecodingError):
+        service.metrics.refused.labels(STATUS_OF[type(err)].name.lower()).inc()
         await context.abort(STATUS_OF[type(err)], str(err))
+    service.metrics.refused.labels("internal").inc()
     log.exception("internal error in %s", handler_name)
     await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {err}")
 
@@ -94,7 +100,7 @@ def _grpc_status(handler):
         except StreamBroken:
             return None
         except Exception as err:  # noqa: BLE001 - the boundary: the server must keep serving
-            await _abort(context, err, handler.__name__)
+            await _abort(self, context, err, handler.__name__)
     return wrapped
 
 
@@ -108,7 +114,7 @@ def _grpc_status_stream(handler):
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as err:  # noqa: BLE001 - the boundary: the server must keep serving
-            await _abort(context, err, handler.__name__)
+            await _abort(self, context, err, handler.__name__)
     return wrapped
 
 
@@ -124,6 +130,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self.artifacts = artifacts
         self.sessions = SessionTable(limits)
         self._model_thread = model_thread
+        self.metrics = Metrics()
+        self.metrics.sessions_open.set_function(lambda: len(self.sessions))
 
     def info(self) -> ServerInfo:
         return ServerInfo(
@@ -188,6 +196,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                 if held.prompt_ids != request.prompt_ids:
                     self.sessions.detach(held, owner)
                     raise InvalidRequest(f"resume prompt does not match session {held.id}")
+                self.metrics.sessions_opened.labels("resumed").inc()
                 return held, True
         return await self._new_session(request, owner), False
 
@@ -198,6 +207,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         source = None if self.drafter is None else self.drafter.activations
         session = await self._on_model(Session, self.target, self.limits, request, source)
         self.sessions.add(session, owner)
+        how = "new" if request.resume is None else "rebuilt"
+        self.metrics.sessions_opened.labels(how).inc()
         return session
 
     async def _serve_rounds(self, session: Session, context, owner: object) -> bool:
@@ -268,6 +279,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
 
     @_grpc_status
     async def Generate(self, request: pb.GenerateRequest, context) -> None:
+        self.metrics.bytes.labels("in").inc(request.ByteSize())
         req = wire.generate_from_proto(request)
         if req.open.resume is not None:
             raise InvalidRequest("generate cannot resume a session; open a new one")
@@ -289,7 +301,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
 
     async def _send(self, context, msg: ServerMessage) -> None:
         # Half the message limit for the activations leaves room for the rest of a Verdict.
-        await _send_parts(context, msg, self.limits.max_message_bytes // 2)
+        self.metrics.sent(msg, await _send_parts(context, msg,
+                                                 self.limits.max_message_bytes // 2))
 
     async def _read(self, context):
         """The next client message as a domain object; None at the end of the stream."""
@@ -298,7 +311,10 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         except asyncio.TimeoutError:
             raise OutOfOrder(f"session idle for {self.limits.session_idle_timeout_s} s; "
                              "closed") from None
-        return None if raw is grpc.aio.EOF else wire.client_from_proto(raw)
+        if raw is grpc.aio.EOF:
+            return None
+        self.metrics.bytes.labels("in").inc(raw.ByteSize())
+        return wire.client_from_proto(raw)
 
     async def _on_model(self, fn: Callable[..., T], *args) -> T:
         return await self._model_thread.run(fn, *args)
