@@ -39,7 +39,7 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--per-set", type=int, default=1, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--profiles", default=",".join(PROFILES))
+    p.add_argument("--profiles", default=",".join(p for p in PROFILES if "lossy" not in p))
     p.add_argument("--drafter", default="pld", help="the split client's drafter")
     p.add_argument("--outage-profile", default="4g")
     p.add_argument("--outage-s", type=float, default=3.0)

@@ -36,6 +36,10 @@ def _is_nonnegative(x: float) -> bool:
     return math.isfinite(x) and x >= 0
 
 
+MSS_BYTES = 1448  # TCP payload per packet on a 1500-byte MTU with timestamps
+MIN_RTO_S = 0.2
+
+
 @dataclass(frozen=True)
 class LinkProfile:
     """One direction of a link. `delay_ms` is one-way; None bandwidth means unlimited."""
@@ -43,9 +47,12 @@ class LinkProfile:
     delay_ms: float
     jitter_ms: float = 0.0
     bandwidth_mbit: float | None = None
+    loss_pct: float = 0.0  # packets lost; TCP resends each, one retransmission timeout later
 
     def __post_init__(self) -> None:
         _require(_is_nonnegative(self.delay_ms), f"delay must be >= 0 ms, got {self.delay_ms}")
+        _require(_is_nonnegative(self.loss_pct) and self.loss_pct < 100,
+                 f"loss must be in [0, 100) %, got {self.loss_pct}")
         _require(_is_nonnegative(self.jitter_ms), f"jitter must be >= 0 ms, got {self.jitter_ms}")
         _require(self.bandwidth_mbit is None
                  or (math.isfinite(self.bandwidth_mbit) and self.bandwidth_mbit > 0),
@@ -61,12 +68,25 @@ class LinkProfile:
             return 0.0
         return nbytes * 8 / (self.bandwidth_mbit * 1e6)
 
+    def retransmission_s(self, nbytes: int, rng: random.Random) -> float:
+        """The extra delay of `nbytes` on a lossy link: when any of its packets is lost, TCP
+        resends it after one retransmission timeout (Linux: the round trip plus at least
+        200 ms, RFC 6298's floor as Linux sets it), and what follows waits behind it."""
+        if not self.loss_pct:
+            return 0.0
+        packets = max(1, math.ceil(nbytes / MSS_BYTES))
+        if rng.random() >= 1 - (1 - self.loss_pct / 100) ** packets:
+            return 0.0
+        return MIN_RTO_S + 2 * self.delay_ms / 1000
+
     def describe(self) -> str:
         text = f"{self.delay_ms:g} ms"
         if self.jitter_ms:
             text += f" +-{self.jitter_ms:g} ms"
         if self.bandwidth_mbit is not None:
             text += f" {self.bandwidth_mbit:g} Mbit/s"
+        if self.loss_pct:
+            text += f" {self.loss_pct:g}% loss"
         return text
 
 
@@ -145,13 +165,19 @@ PROFILES: dict[str, LinkProfile] = {
     "4g": LinkProfile(delay_ms=50, jitter_ms=10, bandwidth_mbit=20),
     "3g": LinkProfile(delay_ms=150, jitter_ms=20, bandwidth_mbit=2),
     "satellite": LinkProfile(delay_ms=300, jitter_ms=10, bandwidth_mbit=10),
+    # The same links with packet loss as measured on busy mobile networks (about 1-2% on
+    # 3G/4G under load; long-distance Wi-Fi near its range 0.5%).
+    "wifi-lossy": LinkProfile(delay_ms=10, jitter_ms=2, bandwidth_mbit=100, loss_pct=0.5),
+    "4g-lossy": LinkProfile(delay_ms=50, jitter_ms=10, bandwidth_mbit=20, loss_pct=1),
+    "3g-lossy": LinkProfile(delay_ms=150, jitter_ms=20, bandwidth_mbit=2, loss_pct=2),
 }
 
-_LINK_KEYS = {"delay": "delay_ms", "jitter": "jitter_ms", "bw": "bandwidth_mbit"}
+_LINK_KEYS = {"delay": "delay_ms", "jitter": "jitter_ms", "bw": "bandwidth_mbit",
+              "loss": "loss_pct"}
 _OUTAGE_KEYS = {"outage_rate": "outage_rate_per_min", "outage_duration": "outage_duration_s"}
 CONDITIONS_HELP = ("a profile name (" + ", ".join(PROFILES) + ") and/or KEY=VALUE items: "
-                   "delay=MS, jitter=MS, bw=MBIT (one-way, both directions; up_ or down_ prefix "
-                   "for one), outage=START:DURATION (s), outage_rate=PER_MIN, outage_duration=S, "
+                   "delay=MS, jitter=MS, bw=MBIT, loss=PERCENT (one-way, both directions; up_ or "
+                   "down_ prefix for one), outage=START:DURATION (s), outage_rate=PER_MIN, outage_duration=S, "
                    "outage_mode=cut|blackhole, seed=N; e.g. '4g', 'delay=50,jitter=10,bw=20', "
                    "'4g,up_bw=5'")
 

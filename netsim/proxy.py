@@ -104,8 +104,11 @@ class _Pump:
 
     def _schedule(self, data: bytes, arrived_at: float) -> None:
         sent = self._line.transmit(len(data), max(arrived_at, self._ready_at))
-        # max(): jitter may delay a segment behind its predecessor but never let it overtake.
-        release = max(self._last_release, sent + self._line.profile.propagation_s(self._rng))
+        profile = self._line.profile
+        # max(): jitter or a retransmission may delay a segment behind its predecessor but never
+        # let it overtake (TCP delivers in order: a lost packet holds back what follows).
+        release = max(self._last_release, sent + profile.propagation_s(self._rng)
+                      + profile.retransmission_s(len(data), self._rng))
         self._last_release = release
         self._queue.append(_Segment(release, arrived_at, data))
         self._queued_bytes += len(data)

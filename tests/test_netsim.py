@@ -146,6 +146,9 @@ def test_explicit_numbers_overrides_and_outage_items():
     assert c.outages == (Outage(5, 3), Outage(1, 0.5))
     assert (c.outage_rate_per_min, c.outage_duration_s, c.seed) == (2, 4, 9)
     assert c.outage_mode is OutageMode.BLACKHOLE
+    c = parse_conditions("4g,loss=1,down_loss=3")
+    assert (c.up.loss_pct, c.down.loss_pct) == (1, 3)
+    assert parse_conditions("4g-lossy").up == LinkProfile(50, 10, 20, loss_pct=1)
 
 
 @pytest.mark.parametrize("text, fragment", [
@@ -163,6 +166,8 @@ def test_explicit_numbers_overrides_and_outage_items():
     ("outage=5:0", "outage duration must be > 0"),
     ("outage_mode=drop", "expected one of cut, blackhole"),
     ("seed=1.5", "seed: expected an integer"),
+    ("loss=100", "loss must be in"),
+    ("up_loss=-1", "loss must be in"),
 ])
 def test_bad_conditions_fail_with_a_clear_message(text: str, fragment: str):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
@@ -223,6 +228,18 @@ def test_jitter_stays_within_its_bounds(stamper: str):
     assert one_way_ms[-4] <= 30 + 15, one_way_ms  # a loaded machine may stall a few
     assert one_way_ms[-4] - one_way_ms[3] >= 8, "jitter was not applied"
     assert _on_time(statistics.median(one_way_ms), 20, early=4, late=5), one_way_ms
+
+
+def test_loss_stalls_a_round_trip_by_one_retransmission_timeout(echo: str):
+    """A lost packet costs TCP one retransmission timeout (RTT + 200 ms): at 30% loss about
+    half the round trips stall that long, and every byte still arrives, in order."""
+    conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=5, loss_pct=30), seed=4)
+    with ProxyThread(echo, conditions) as proxy, _connect(proxy.address, timeout=10) as sock:
+        _round_trip_ms(sock)
+        rtts = [_round_trip_ms(sock) for _ in range(24)]
+    stalled = [r for r in rtts if r > 150]
+    assert 4 <= len(stalled) <= 20, rtts
+    assert all(r >= 200 for r in stalled) and min(rtts) < 50, rtts
 
 
 def test_jitter_never_reorders_or_corrupts_a_stream(echo: str):
