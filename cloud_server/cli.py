@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--own-drafter", choices=(*sorted(DRAFTERS), "none"), default=pacing.drafter,
                    help="the drafter the server runs for its own candidates in paced "
                         "sessions (default %(default)s)")
+    p.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate "
+                   "chain (and --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    p.add_argument("--auth-token-file", metavar="FILE",
+                   help="every call but the health service's must carry this token "
+                        "(edge-client --auth-token-file)")
     p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (0: a free "
                         "port); off by default")
@@ -107,12 +113,14 @@ def run(argv: list[str]) -> int:
     try:
         from cloud_server import model_store
         from cloud_server.model_thread import ModelThread
+        from cloud_server.security import Security
         from cloud_server.server import build_service, serve
         from cloud_server.target import TargetModel
 
         from cloud_server.drafter_serving import find_drafter
 
         model_store.follow_progress_setting()
+        security = Security.from_files(args.tls_cert, args.tls_key, args.auth_token_file)
         path, model_id = model_store.resolve(args.model)
         drafter_dir = find_drafter(args.drafter_dir, model_id)
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)
@@ -125,7 +133,7 @@ def run(argv: list[str]) -> int:
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)
             print(f"metrics on http://{args.host}:{bound}/metrics", file=sys.stderr, flush=True)
-        asyncio.run(serve(service, args.host, args.port))
+        asyncio.run(serve(service, args.host, args.port, security))
     except (OSError, RuntimeError, ValueError) as err:
         print(f"cloud-server: error: {err}", file=sys.stderr)
         return 1

@@ -21,21 +21,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the service to ask about; '' for the server as a whole "
                         "(default %(default)s)")
     p.add_argument("--timeout", type=float, default=3.0, metavar="S")
+    p.add_argument("--tls-ca", metavar="PEM", help="the server speaks TLS: check it against "
+                                                   "this CA certificate")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
-        with grpc.insecure_channel(args.server) as channel:
+        with _channel(args) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
     except grpc.RpcError as err:
         print(f"cloud-server health: {args.server}: {err.code().name.lower()}: {err.details()}",
               file=sys.stderr)
         return 1
+    except OSError as err:
+        print(f"cloud-server health: {err}", file=sys.stderr)
+        return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
     if reply.status != health_pb2.HealthCheckResponse.SERVING:
         print(f"cloud-server health: {args.server}: {status}", file=sys.stderr)
         return 1
     return 0
+
+
+def _channel(args: argparse.Namespace) -> grpc.Channel:
+    if args.tls_ca is None:
+        return grpc.insecure_channel(args.server)
+    with open(args.tls_ca, "rb") as f:
+        return grpc.secure_channel(args.server, grpc.ssl_channel_credentials(f.read()))

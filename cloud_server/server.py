@@ -15,6 +15,7 @@ from cloud_server.health_check import SERVICE_NAME
 from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.pacing import PacingPolicy
+from cloud_server.security import Security
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared import keepalive
@@ -54,14 +55,19 @@ def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread
                                 pacing)
 
 
-async def start(service: SplitDecodingService, host: str, port: int
+async def start(service: SplitDecodingService, host: str, port: int,
+                security: Security = Security()
                 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """Starts serving; returns the server, the bound port and the health servicer."""
-    server = grpc.aio.server(options=server_options(service.limits))
+    """Starts serving (over TLS when `security` has a certificate); returns the server, the
+    bound port and the health servicer."""
+    server = grpc.aio.server(options=server_options(service.limits),
+                             interceptors=security.interceptors())
     splitdec_pb2_grpc.add_SplitDecodingServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    credentials = security.credentials()
+    bound = (server.add_insecure_port(f"{host}:{port}") if credentials is None
+             else server.add_secure_port(f"{host}:{port}", credentials))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
@@ -70,9 +76,10 @@ async def start(service: SplitDecodingService, host: str, port: int
     return server, bound, health_servicer
 
 
-async def serve(service: SplitDecodingService, host: str, port: int) -> None:
+async def serve(service: SplitDecodingService, host: str, port: int,
+                security: Security = Security()) -> None:
     """Serves until SIGTERM or SIGINT, then stops taking work and drains for GRACE_S."""
-    server, bound, health_servicer = await start(service, host, port)
+    server, bound, health_servicer = await start(service, host, port, security)
     print(f"listening on {host}:{bound}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -25,10 +25,12 @@ from edge_client.batch import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, DEFAULT_PACE, ClientOptions, EdgeClient
 from edge_client.display import TerminalView
 from edge_client.generate import GenerationResult
-from edge_client.link import LinkError
+from edge_client.link import LinkConfig, LinkError
+from edge_client.security import ClientSecurity
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.server_only import Mode
 from shared import progress
+from shared.auth import read_token
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
 from shared.messages import ActivationFormat, ChatMessage, Pace
@@ -83,6 +85,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "received (default: the server's, 32)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
+    p.add_argument("--tls", action="store_true",
+                   help="connect over TLS, checking the server against the system's roots")
+    p.add_argument("--tls-ca", metavar="PEM",
+                   help="connect over TLS, checking the server against this CA certificate")
+    p.add_argument("--auth-token-file", metavar="FILE",
+                   help="send the token in this file with every call (cloud-server "
+                        "--auth-token-file)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar for the drafter's download (a pipe gets none either)")
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
@@ -167,7 +176,7 @@ def stats_line(r: GenerationResult, drafter: str) -> str:
 
 
 async def ask(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
-    async with EdgeClient(address, options) as client:
+    async with EdgeClient(address, options, link_config(args)) as client:
         if args.no_chat_template:
             request = client.options.open_request(prompt_ids=client.encode(args.prompt))
         else:
@@ -182,7 +191,7 @@ async def ask(args: argparse.Namespace, options: ClientOptions, address: str) ->
 
 
 async def batch(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
-    async with EdgeClient(address, options) as client:
+    async with EdgeClient(address, options, link_config(args)) as client:
         ok, failed = await run_batch(client, args.prompts, args.out)
     print(f"[{ok} done, {failed} failed -> {args.out}]", file=sys.stderr)
     return 0 if failed == 0 else 1
@@ -191,8 +200,20 @@ async def batch(args: argparse.Namespace, options: ClientOptions, address: str) 
 async def serve(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
     from edge_client.openai_compat.serving import serve as serve_http
 
-    await serve_http(address, options, args.host, args.port)
+    await serve_http(address, options, args.host, args.port, link_config(args))
     return 0
+
+
+def link_config(args: argparse.Namespace) -> LinkConfig:
+    """The link's security from the flags; files are read here, so a bad path fails early."""
+    try:
+        security = ClientSecurity(
+            tls=args.tls, root_certificates=None if args.tls_ca is None
+            else Path(args.tls_ca).read_bytes(),
+            auth_token=None if args.auth_token_file is None else read_token(args.auth_token_file))
+    except ValueError as err:
+        raise BadInput(str(err)) from None
+    return LinkConfig(security=security)
 
 
 def options_from(args: argparse.Namespace) -> ClientOptions:

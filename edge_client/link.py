@@ -11,6 +11,7 @@ from typing import AsyncIterator
 
 import grpc
 
+from edge_client.security import ClientSecurity
 from shared import keepalive, progress, wire
 from shared.messages import (
     ClientMessage, GenerateRequest, ServerInfo, ServerMessage, Verdict,
@@ -53,6 +54,7 @@ class LinkConfig:
     # Whole-generation deadline for the Decode stream.
     stream_timeout_s: float = 3600.0
     max_message_bytes: int = 16 * 1024 * 1024
+    security: ClientSecurity = ClientSecurity()  # TLS and the auth token
 
 
 def channel_options(config: LinkConfig, bulk: bool = False) -> list[tuple[str, int]]:
@@ -107,7 +109,8 @@ class ServerLink:
     def __init__(self, address: str, config: LinkConfig = LinkConfig()):
         self.address = address
         self.config = config
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options(config))
+        self._channel = config.security.channel(address, channel_options(config))
+        self._metadata = config.security.metadata()
         self._stub = pb_grpc.SplitDecodingStub(self._channel)
         self._bulk: grpc.aio.Channel | None = None  # downloads: opened on the first one
 
@@ -124,13 +127,14 @@ class ServerLink:
         the download's own data (keepalive.BULK_PING_TIMEOUT_MS); the generation's channel
         keeps its fast detection of a dead link."""
         if self._bulk is None:
-            self._bulk = grpc.aio.insecure_channel(self.address,
-                                                   options=channel_options(self.config, bulk=True))
+            self._bulk = self.config.security.channel(self.address,
+                                                      channel_options(self.config, bulk=True))
         return pb_grpc.SplitDecodingStub(self._bulk)
 
     async def info(self) -> ServerInfo:
         try:
-            reply = await self._stub.Info(pb.InfoRequest(), timeout=self.config.connect_timeout_s)
+            reply = await self._stub.Info(pb.InfoRequest(), timeout=self.config.connect_timeout_s,
+                                          metadata=self._metadata)
         except grpc.aio.AioRpcError as err:
             raise link_error(err, self.address) from None
         return wire.info_from_proto(reply)
@@ -144,7 +148,8 @@ class ServerLink:
         try:
             with progress.bar(size_bytes or None, name, bytes_=True) as shown:
                 async for chunk in self._bulk_stub().FetchArtifact(
-                        pb.FetchArtifactRequest(name=name), timeout=timeout):
+                        pb.FetchArtifactRequest(name=name), timeout=timeout,
+                        metadata=self._metadata):
                     parts.append(chunk.data)
                     shown.update(len(chunk.data))
         except grpc.aio.AioRpcError as err:
@@ -158,7 +163,7 @@ class ServerLink:
                        ) -> AsyncIterator[tuple[ServerMessage, int]]:
         """A server-only generation (the baselines): each message with its size on the wire."""
         call = self._stub.Generate(wire.generate_to_proto(request),
-                                   timeout=self.config.stream_timeout_s)
+                                   timeout=self.config.stream_timeout_s, metadata=self._metadata)
         try:
             async for raw in call:
                 yield wire.server_from_proto(raw), raw.ByteSize() + GRPC_FRAME_BYTES
@@ -170,7 +175,7 @@ class ServerLink:
         instead of failing at once, so the call goes out the moment the link is back; the first
         receive's timeout bounds the wait."""
         call = self._stub.Decode(timeout=self.config.stream_timeout_s,
-                                 wait_for_ready=wait_for_ready)
+                                 wait_for_ready=wait_for_ready, metadata=self._metadata)
         return DecodeStream(call, self.address, self.config.round_timeout_s)
 
 

@@ -5,6 +5,7 @@ import asyncio
 import threading
 from pathlib import Path
 
+from cloud_server.security import Security
 from cloud_server.server import build_service, start
 from cloud_server.target import TargetModel
 from shared.messages import Limits
@@ -14,8 +15,9 @@ class ServerThread:
     """The server on its own event loop in a daemon thread; `address` is HOST:PORT."""
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), port: int = 0,
-                 drafter_dir: Path | None = None):
+                 drafter_dir: Path | None = None, security: Security = Security()):
         self.service = build_service(target, limits, drafter_dir=drafter_dir)
+        self._security = security
         self._port = port
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -24,7 +26,8 @@ class ServerThread:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        server, port, _ = self._loop.run_until_complete(start(self.service, "127.0.0.1", self._port))
+        starting = start(self.service, "127.0.0.1", self._port, self._security)
+        server, port, _ = self._loop.run_until_complete(starting)
         self._server = server
         self.address = f"127.0.0.1:{port}"
         self._ready.set()

@@ -205,6 +205,9 @@ def test_manifests_match_the_server(overlay):
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["SPLITDEC_CACHE"] in {m["mountPath"] for m in container["volumeMounts"]}
     assert spec["securityContext"]["runAsNonRoot"]
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    secrets = {v["name"] for v in spec["volumes"] if "secret" in v}
+    assert mounts.get(str(Path(args.auth_token_file).parent)) in secrets, "token from a Secret"
     image, tag = container["image"].split(":")
     assert args.device == tag == ("cuda" if overlay == "gpu" else "cpu")
     assert any(f"-t {image}:{tag} ." in p.read_text() for p in DOCKERFILES), container["image"]

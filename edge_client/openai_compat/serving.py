@@ -29,10 +29,11 @@ async def running_endpoint(address: str, options: ClientOptions, host: str, port
             await runner.cleanup()
 
 
-async def serve(address: str, options: ClientOptions, host: str, port: int) -> None:
+async def serve(address: str, options: ClientOptions, host: str, port: int,
+                config: LinkConfig = LinkConfig()) -> None:
     """Serves until SIGINT or SIGTERM; the first line on stdout is
     `serving http://HOST:PORT/v1 (MODEL)`."""
-    async with running_endpoint(address, options, host, port) as (client, bound):
+    async with running_endpoint(address, options, host, port, config) as (client, bound):
         print(f"serving http://{host}:{bound}/v1 ({client.info.model_id})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

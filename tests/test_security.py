@@ -1,0 +1,93 @@
+"""TLS and the auth token: a self-signed certificate (openssl) and a token file, on the tiny
+model; the health service stays open to probes that carry no token."""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from cloud_server.reference import plain_greedy
+from cloud_server.security import Security
+from edge_client.client import ClientOptions, EdgeClient
+from edge_client.link import LinkConfig, LinkError
+from edge_client.security import ClientSecurity
+from shared.messages import Limits
+from tests.server_harness import ServerThread
+
+PROMPT = (5, 6, 7, 8, 5, 6, 7)
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed: no certificate to test with")
+    path = tmp_path_factory.mktemp("pki")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(path / "key.pem"), "-out", str(path / "cert.pem"),
+                    "-subj", "/CN=localhost", "-addext",
+                    "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+                   check=True, capture_output=True, timeout=60)
+    (path / "token").write_text(TOKEN + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def secure_server(tiny_target, pki):
+    security = Security.from_files(str(pki / "cert.pem"), str(pki / "key.pem"),
+                                   str(pki / "token"))
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
+    with ServerThread(tiny_target, limits, security=security) as server:
+        yield server
+
+
+def generate(address: str, security: ClientSecurity) -> list[int]:
+    async def go() -> list[int]:
+        config = LinkConfig(connect_timeout_s=3.0, security=security)
+        async with EdgeClient(address, ClientOptions("pld", 4, 12), config) as client:
+            result = await client.generate(client.options.open_request(prompt_ids=PROMPT))
+            return result.output_ids
+    return asyncio.run(go())
+
+
+def test_tls_with_the_token_generates_exactly(secure_server, tiny_target, pki):
+    ca = (pki / "cert.pem").read_bytes()
+    assert generate(secure_server.address, ClientSecurity(True, ca, TOKEN)) == plain_greedy(
+        tiny_target, PROMPT, 12)
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_a_missing_or_wrong_token_is_refused(secure_server, pki, token):
+    with pytest.raises(LinkError, match="unauthenticated"):
+        generate(secure_server.address,
+                 ClientSecurity(True, (pki / "cert.pem").read_bytes(), token))
+
+
+def test_a_plaintext_client_cannot_talk_to_a_tls_server(secure_server):
+    with pytest.raises(LinkError, match="cannot reach|did not answer"):
+        generate(secure_server.address, ClientSecurity(auth_token=TOKEN))
+
+
+def test_tls_and_token_from_the_cli_and_health_without_token(secure_server, pki):
+    edge = [sys.executable, "-m", "edge_client.cli", "--server", secure_server.address,
+            "--drafter", "pld", "--max-new-tokens", "4", "--tls-ca", str(pki / "cert.pem")]
+    ok = subprocess.run(edge + ["--auth-token-file", str(pki / "token"), "hi"],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    refused = subprocess.run(edge + ["hi"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 3 and "unauthenticated" in refused.stderr
+    missing = subprocess.run(edge + ["--auth-token-file", str(pki / "nope"), "hi"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    health = subprocess.run([sys.executable, "-m", "cloud_server.cli", "health", "--server",
+                             secure_server.address, "--tls-ca", str(pki / "cert.pem")],
+                            capture_output=True, text=True, timeout=60)
+    assert health.returncode == 0, health.stderr
+
+
+def test_a_key_without_a_certificate_is_refused(pki):
+    with pytest.raises(ValueError, match="go together"):
+        Security.from_files(None, str(pki / "key.pem"), None)
