@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from cloud_server.artifacts import ArtifactStore
 from cloud_server.drafter_serving import ServedDrafter
@@ -311,6 +312,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         except asyncio.TimeoutError:
             raise OutOfOrder(f"session idle for {self.limits.session_idle_timeout_s} s; "
                              "closed") from None
+        except DecodeError as err:  # grpc parses the bytes on read: corrupt ones end up here
+            raise InvalidRequest(f"not a splitdec.v1 ClientMessage: {err}") from None
         if raw is grpc.aio.EOF:
             return None
         self.metrics.bytes.labels("in").inc(raw.ByteSize())

@@ -45,7 +45,11 @@ def _to_proto(wire: _EnumWire[E], value: E | None) -> str:
 
 
 def _from_proto(wire: _EnumWire[E], value: int) -> E | None:
-    name = wire.proto.Name(value).removeprefix(wire.prefix + "_")
+    """The domain value; a number this version does not know (proto3 keeps it) is refused."""
+    try:
+        name = wire.proto.Name(value).removeprefix(wire.prefix + "_")
+    except ValueError:
+        raise InvalidRequest(f"unknown {wire.prefix.lower()} value {value}") from None
     return None if name == "UNSPECIFIED" else wire.domain[name]
 
 
