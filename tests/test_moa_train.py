@@ -99,12 +99,34 @@ def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
 def test_training_prompts_are_not_evaluation_prompts():
     pytest.importorskip("eval_framework")
     from shared import prompt_sets as evaluation
-    from cloud_server.training.data import training_prompts
+    from cloud_server.training.prompt_sources import SOURCES, ngrams, opening, training_prompts
 
-    def key(text: str) -> str:  # near-copies too: case, punctuation and spacing aside
-        return re.sub(r"\W+", " ", text.lower()).strip()[:60]
+    train = training_prompts(SOURCES)
+    assert len(train) > 20000 and len(set(train)) == len(train)
+    held = [row["prompt"] for name in evaluation.SETS for row in evaluation.load(name)]
+    held_grams = set().union(*map(ngrams, held))
+    held_openings = set(map(opening, held))
+    assert not any(ngrams(p) & held_grams or opening(p) in held_openings for p in train)
 
-    train = {key(p) for p in training_prompts()}
-    assert len(train) > 2000
-    for name in evaluation.SETS:
-        assert not train & {key(row["prompt"]) for row in evaluation.load(name)}
+
+def test_decontamination_drops_near_copies_and_shared_runs():
+    from cloud_server.training.prompt_sources import decontaminated
+
+    held = ["Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning "
+            "and bakes muffins for her friends every day with four."]
+    prompts = ["JANET'S ducks lay 16 eggs, per day!! She eats three for breakfast... or not?",
+               "Tell me: she eats three for breakfast every morning and bakes muffins for "
+               "her friends every day, right?",  # a 13-word run
+               "Janet has ducks. How many eggs are there?"]  # neither
+    assert decontaminated(prompts, held) == prompts[2:]
+
+
+def test_a_torn_json_array_is_read_up_to_its_last_whole_item():
+    from cloud_server.training.prompt_sources import english, json_array_items
+
+    text = '[\n {"a": 1},\n {"a": [2, "]"]}, {"a": 3, "b": "cut he'
+    assert list(json_array_items(text)) == [{"a": 1}, {"a": [2, "]"]}]
+    assert list(json_array_items("[]")) == []
+    assert english("How are you?") and not english("Как дела?")
+
+

@@ -30,6 +30,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--prompt-sources", default="eval-framework",
+                   help="comma-separated, mixed in turn: eval-framework (Arena-Hard, IFEval, "
+                        "AlpacaEval, IFBench), sharegpt, chitchat (default %(default)s; "
+                        "cloud_server/training/prompt_sources.py)")
     p.add_argument("--max-prompts", type=int, default=640,
                    help="use the first N prompts (before dropping those over the length cap)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -56,7 +60,7 @@ def main(argv: list[str]) -> int:
     if args.quiet:
         progress.set_quiet()
     from cloud_server import model_store
-    from cloud_server.training import data
+    from cloud_server.training import data, prompt_sources
     from cloud_server.training.moa import CHECKPOINT, Trainer, TrainSettings
     from cloud_server.target import TargetModel
 
@@ -69,7 +73,8 @@ def main(argv: list[str]) -> int:
     model_store.follow_progress_setting()
     path, model_id = model_store.resolve(args.model)
     target = TargetModel.load(path, model_id, args.device)
-    prompts = data.encode_prompts(target, data.training_prompts()[:args.max_prompts],
+    texts = prompt_sources.training_prompts(args.prompt_sources.split(","))
+    prompts = data.encode_prompts(target, texts[:args.max_prompts],
                                   args.max_prompt_tokens)
     answers = args.out / ANSWERS
     data.generate_answers(target, prompts, answers, args.answer_batch, args.max_new_tokens)

