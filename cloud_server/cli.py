@@ -34,6 +34,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
     p.add_argument("--max-new-tokens", type=int, default=defaults.max_new_tokens)
+    p.add_argument("--kv-budget-mb", type=int, default=0, metavar="MB",
+                   help="KV cache all sessions may hold together, each counted at the most it "
+                        "can grow to (prompt + new tokens + a tree); past it a new session is "
+                        "refused RESOURCE_EXHAUSTED. 0 (default): only --max-sessions limits")
     p.add_argument("--idle-timeout", type=int, default=defaults.session_idle_timeout_s,
                    help="seconds a session may stay silent before it is closed")
     p.add_argument("--drafter-dir", default="default", metavar="DIR",
@@ -128,7 +132,7 @@ def run(argv: list[str]) -> int:
         target = model_thread.call(TargetModel.load, path, model_id, Device(args.device),
                                    onednn=args.cpu_linear == "onednn")
         service = build_service(target, limits_from(args), model_thread, drafter_dir,
-                                pacing_from(args))
+                                pacing_from(args), args.kv_budget_mb * 2**20)
         print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)

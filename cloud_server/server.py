@@ -34,8 +34,8 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
 
 
 def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread | None = None,
-                  drafter_dir: Path | None = None, pacing: PacingPolicy = PacingPolicy()
-                  ) -> SplitDecodingService:
+                  drafter_dir: Path | None = None, pacing: PacingPolicy = PacingPolicy(),
+                  kv_budget_bytes: int = 0) -> SplitDecodingService:
     """Measures the verify costs Info reports, loads the MoA drafter when there is one, then
     builds the service. `model_thread` should be the thread that loaded `target` (see
     model_thread.py)."""
@@ -52,7 +52,7 @@ def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread
         print(f"drafter bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
               f"{drafter.width}", file=sys.stderr, flush=True)
     return SplitDecodingService(target, limits, artifacts, model_thread, costs, drafter,
-                                pacing)
+                                pacing, kv_budget_bytes)
 
 
 async def start(service: SplitDecodingService, host: str, port: int,

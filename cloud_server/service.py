@@ -122,14 +122,15 @@ def _grpc_status_stream(handler):
 class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore,
                  model_thread: ModelThread, verify_costs: tuple[tuple[int, float], ...] = (),
-                 drafter: ServedDrafter | None = None, pacing: PacingPolicy = PacingPolicy()):
+                 drafter: ServedDrafter | None = None, pacing: PacingPolicy = PacingPolicy(),
+                 kv_budget_bytes: int = 0):
         self.target = target
         self.pacing = pacing
         self.drafter = drafter
         self.verify_costs = verify_costs
         self.limits = limits
         self.artifacts = artifacts
-        self.sessions = SessionTable(limits)
+        self.sessions = SessionTable(limits, kv_budget_bytes=kv_budget_bytes)
         self._model_thread = model_thread
         self.metrics = Metrics()
         self.metrics.sessions_open.set_function(lambda: len(self.sessions))
@@ -207,7 +208,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         request = replace(request, pace=pace, lead=lead)
         source = None if self.drafter is None else self.drafter.activations
         session = await self._on_model(Session, self.target, self.limits, request, source)
-        self.sessions.add(session, owner)
+        self.sessions.add(session, owner, session.kv_bytes)
         how = "new" if request.resume is None else "rebuilt"
         self.metrics.sessions_opened.labels(how).inc()
         return session

@@ -72,6 +72,12 @@ class Session:
         return self._cache
 
     @property
+    def kv_bytes(self) -> int:
+        """The most KV cache this session can hold: prompt, every new token, and a tree."""
+        positions = len(self.prompt_ids) + self.max_new_tokens + self.limits.max_tree_nodes
+        return positions * self.target.kv_bytes_per_token
+
+    @property
     def generated(self) -> int:
         return len(self.committed) - len(self.prompt_ids)
 

@@ -22,13 +22,22 @@ class _Entry:
     session: Session
     owner: object | None  # None: detached, waiting for a resume
     active_at: float
+    kv_bytes: int = 0  # the KV cache it may grow to (Session.kv_bytes)
 
 
 class SessionTable:
-    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, limits: Limits, clock: Callable[[], float] = time.monotonic,
+                 kv_budget_bytes: int = 0):
+        """`kv_budget_bytes`: the KV cache all sessions may hold together, counted at the most
+        each can grow to; 0: no budget, the session count alone limits."""
         self.limits = limits
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
+        self.kv_budget_bytes = kv_budget_bytes
+
+    @property
+    def kv_bytes(self) -> int:
+        return sum(e.kv_bytes for e in self._entries.values())
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -48,8 +57,19 @@ class SessionTable:
             raise Overloaded(f"server is at its limit of {self.limits.max_sessions} sessions; "
                              "retry in a few seconds")
 
-    def add(self, session: Session, owner: object) -> None:
-        self._entries[session.id] = _Entry(session, owner, self._clock())
+    def add(self, session: Session, owner: object, kv_bytes: int = 0) -> None:
+        """Raises Overloaded when the session's KV cache would pass the budget, after dropping
+        expired and finished orphans; sessions already admitted are never squeezed."""
+        if self.kv_budget_bytes and self.kv_bytes + kv_bytes > self.kv_budget_bytes:
+            self._evict_expired()
+            self._evict_finished()
+            if self.kv_bytes + kv_bytes > self.kv_budget_bytes:
+                free = max(0, self.kv_budget_bytes - self.kv_bytes)
+                raise Overloaded(f"the session needs {kv_bytes / 2**20:.0f} MiB of KV cache "
+                                 f"and {free / 2**20:.0f} MiB of the server's "
+                                 f"{self.kv_budget_bytes / 2**20:.0f} MiB are free; retry "
+                                 "when a session ends, or ask for fewer tokens")
+        self._entries[session.id] = _Entry(session, owner, self._clock(), kv_bytes)
 
     def take_over(self, session_id: str, owner: object) -> Session | None:
         """The session, now owned by `owner`; None when the server no longer holds it."""

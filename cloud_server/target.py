@@ -58,6 +58,15 @@ class TargetModel:
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     @property
+    def kv_bytes_per_token(self) -> int:
+        """What one position costs in the KV cache: K and V of every layer's KV heads."""
+        c = self.model.config
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        element = next(self.model.parameters()).element_size()
+        return c.num_hidden_layers * 2 * heads * head_dim * element
+
+    @property
     def max_context(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 0) or 1 << 20)
 

@@ -15,8 +15,10 @@ class ServerThread:
     """The server on its own event loop in a daemon thread; `address` is HOST:PORT."""
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), port: int = 0,
-                 drafter_dir: Path | None = None, security: Security = Security()):
-        self.service = build_service(target, limits, drafter_dir=drafter_dir)
+                 drafter_dir: Path | None = None, security: Security = Security(),
+                 kv_budget_bytes: int = 0):
+        self.service = build_service(target, limits, drafter_dir=drafter_dir,
+                                     kv_budget_bytes=kv_budget_bytes)
         self._security = security
         self._port = port
         self._loop = asyncio.new_event_loop()

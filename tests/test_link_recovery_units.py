@@ -107,6 +107,23 @@ def test_session_table_at_its_limit_drops_finished_orphans_first():
     assert "done" not in table and "live" in table  # an owned session stays, finished or not
 
 
+def test_session_table_admits_by_kv_budget_and_frees_finished_orphans():
+    table = SessionTable(Limits(max_sessions=8, session_idle_timeout_s=300),
+                         kv_budget_bytes=100)
+    a, b, c = FakeSession("a"), FakeSession("b"), FakeSession("c")
+    a.finished = b.finished = False
+    owner = object()
+    table.add(a, owner, kv_bytes=60)
+    with pytest.raises(Overloaded, match="retry"):
+        table.add(b, owner, kv_bytes=50)  # 110 > 100: refused, nothing squeezed
+    assert "a" in table and "b" not in table and table.kv_bytes == 60
+    table.add(b, owner, kv_bytes=40)  # fits exactly
+    a.finished = True
+    table.detach(a, owner)  # a finished orphan gives its room back when room is needed
+    table.add(c, owner, kv_bytes=50)
+    assert "a" not in table and table.kv_bytes == 90
+
+
 def test_server_accepts_the_edge_keepalive_pings():
     """A server that allows fewer pings than the edge sends answers GOAWAY too_many_pings."""
     from cloud_server.server import server_options

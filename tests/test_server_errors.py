@@ -152,3 +152,42 @@ def test_idle_session_is_closed(tiny_target):
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "idle" in err.value.details()
         assert len(server.service.sessions) == 0
+
+
+def test_kv_budget_refuses_a_session_that_does_not_fit_then_admits_it(tiny_target):
+    """One session's worst-case KV cache fits the budget, two do not: the second Open is
+    refused RESOURCE_EXHAUSTED with a retry hint while the first is open, and admitted once
+    the first has closed."""
+    import asyncio
+
+    from edge_client.link import LinkError, ServerLink
+    from shared.messages import CloseRequest, Done, OpenRequest, Opened
+    from tests.server_harness import ServerThread
+
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
+    request = OpenRequest(prompt_ids=(5, 6, 7, 8, 5, 6, 7), max_new_tokens=24)
+    need = (len(request.prompt_ids) + 24 + limits.max_tree_nodes) * tiny_target.kv_bytes_per_token
+
+    async def go() -> tuple[str, object]:
+        async with ServerLink(server.address) as link:
+            first = link.decode()
+            await first.send(request)
+            assert isinstance(await first.recv(), Opened)  # it holds its room
+            second = link.decode()
+            await second.send(request)
+            with pytest.raises(LinkError, match="resource_exhausted") as refused:
+                await second.recv()
+            await first.recv()  # the prefill's Verdict
+            await first.send(CloseRequest())
+            assert isinstance(await first.recv(), Done)
+            await first.finish()
+            third = link.decode()
+            await third.send(request)
+            admitted = await third.recv()
+            third.cancel()
+            return str(refused.value), admitted
+
+    with ServerThread(tiny_target, limits, kv_budget_bytes=need + need // 2) as server:
+        message, admitted = asyncio.run(go())
+    assert "KV cache" in message and "retry" in message
+    assert isinstance(admitted, Opened)
