@@ -3,7 +3,6 @@ goes down, a resumed run continues exactly, and training never sees evaluation p
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import replace
 from pathlib import Path
 
