@@ -1,8 +1,6 @@
 """Builds and runs the grpc.aio server: the service, the health service, graceful stop."""
 from __future__ import annotations
 
-import asyncio
-import signal
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ from cloud_server.security import Security
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared import keepalive
+from shared.signals import until_stopped
 from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind, Limits
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc
 
@@ -81,11 +80,7 @@ async def serve(service: SplitDecodingService, host: str, port: int,
     """Serves until SIGTERM or SIGINT, then stops taking work and drains for GRACE_S."""
     server, bound, health_servicer = await start(service, host, port, security)
     print(f"listening on {host}:{bound}", flush=True)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
+    await until_stopped()
     print("stopping: draining sessions", file=sys.stderr, flush=True)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(GRACE_S)

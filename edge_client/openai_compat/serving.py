@@ -1,9 +1,7 @@
 """Runs the endpoint: one EdgeClient (one link, one drafter) for every request."""
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import signal
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -11,6 +9,7 @@ from aiohttp import web
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import LinkConfig
 from edge_client.openai_compat.app import Endpoint
+from shared.signals import until_stopped
 
 
 @contextlib.asynccontextmanager
@@ -35,8 +34,4 @@ async def serve(address: str, options: ClientOptions, host: str, port: int,
     `serving http://HOST:PORT/v1 (MODEL)`."""
     async with running_endpoint(address, options, host, port, config) as (client, bound):
         print(f"serving http://{host}:{bound}/v1 ({client.info.model_id})", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        await until_stopped()
