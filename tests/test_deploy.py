@@ -28,7 +28,8 @@ from shared.messages import Limits
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
-OVERLAYS = {"base": DEPLOY / "k8s" / "base", "gpu": DEPLOY / "k8s" / "overlays" / "gpu"}
+OVERLAYS = {"base": DEPLOY / "k8s" / "base", "gpu": DEPLOY / "k8s" / "overlays" / "gpu",
+            "gpu-tls": DEPLOY / "k8s" / "overlays" / "gpu-tls"}
 PARSERS: dict[str, Callable[[list[str]], Any]] = {
     "cloud-server": server_cli.parse_args, "edge-client": edge_cli.parse_args,
     "netsim": netsim_cli.parse_args}
@@ -190,10 +191,21 @@ def test_manifests_match_the_server(overlay):
     _, args = parse_command(["cloud-server", *container["args"]])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports["grpc"] == args.port and args.host == "0.0.0.0"
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    secrets = {v["name"] for v in spec["volumes"] if "secret" in v}
+
+    def from_secret(path: str) -> bool:
+        return mounts.get(str(Path(path).parent)) in secrets
+
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        grpc_probe = container[probe]["grpc"]
-        assert grpc_probe["port"] == args.port
-        assert grpc_probe.get("service", "") in ("", health_check.SERVICE_NAME)
+        if args.tls_cert is None:  # Kubernetes' gRPC probe, which speaks no TLS
+            port, service = container[probe]["grpc"]["port"], container[probe]["grpc"].get(
+                "service", "")
+        else:
+            name, check = parse_command(container[probe]["exec"]["command"])
+            assert name == "cloud-server health" and from_secret(check.tls_ca)
+            port, service = int(check.server.rsplit(":", 1)[1]), check.service
+        assert port == args.port and service in ("", health_check.SERVICE_NAME)
     service = one(docs, "Service")
     assert service["spec"]["ports"][0]["targetPort"] in ports
     affinity = service["spec"]["sessionAffinityConfig"]["clientIP"]["timeoutSeconds"]
@@ -205,10 +217,10 @@ def test_manifests_match_the_server(overlay):
     env = {e["name"]: e["value"] for e in container["env"]}
     assert env["SPLITDEC_CACHE"] in {m["mountPath"] for m in container["volumeMounts"]}
     assert spec["securityContext"]["runAsNonRoot"]
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    secrets = {v["name"] for v in spec["volumes"] if "secret" in v}
-    assert mounts.get(str(Path(args.auth_token_file).parent)) in secrets, "token from a Secret"
+    assert from_secret(args.auth_token_file), "the token comes from a Secret"
+    assert args.tls_cert is None or (from_secret(args.tls_cert) and from_secret(args.tls_key))
+    assert (args.tls_cert is not None) == overlay.endswith("tls")
     image, tag = container["image"].split(":")
-    assert args.device == tag == ("cuda" if overlay == "gpu" else "cpu")
+    assert args.device == tag == ("cuda" if overlay.startswith("gpu") else "cpu")
     assert any(f"-t {image}:{tag} ." in p.read_text() for p in DOCKERFILES), container["image"]
-    assert ("nvidia.com/gpu" in container["resources"]["limits"]) == (overlay == "gpu")
+    assert ("nvidia.com/gpu" in container["resources"]["limits"]) == overlay.startswith("gpu")

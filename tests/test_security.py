@@ -82,10 +82,12 @@ def test_tls_and_token_from_the_cli_and_health_without_token(secure_server, pki)
     missing = subprocess.run(edge + ["--auth-token-file", str(pki / "nope"), "hi"],
                              capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
-    health = subprocess.run([sys.executable, "-m", "cloud_server.cli", "health", "--server",
-                             secure_server.address, "--tls-ca", str(pki / "cert.pem")],
-                            capture_output=True, text=True, timeout=60)
-    assert health.returncode == 0, health.stderr
+    health = [sys.executable, "-m", "cloud_server.cli", "health", "--server",
+              secure_server.address, "--tls-ca", str(pki / "cert.pem")]
+    for name, code in ((None, 0), ("localhost", 0), ("elsewhere.example", 1)):
+        extra = [] if name is None else ["--tls-name", name]  # as a probe dialling 127.0.0.1
+        checked = subprocess.run(health + extra, capture_output=True, text=True, timeout=60)
+        assert checked.returncode == code, (name, checked.stderr)
 
 
 def test_a_key_without_a_certificate_is_refused(pki):
