@@ -70,6 +70,7 @@ async def start(service: SplitDecodingService, host: str, port: int,
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
     await server.start()
+    service.start_reaper()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, bound, health_servicer

@@ -132,6 +132,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self.artifacts = artifacts
         self.sessions = SessionTable(limits, kv_budget_bytes=kv_budget_bytes)
         self._model_thread = model_thread
+        self._reaper: asyncio.Task | None = None
         self.metrics = Metrics()
         self.metrics.sessions_open.set_function(lambda: len(self.sessions))
 
@@ -323,5 +324,18 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     async def _on_model(self, fn: Callable[..., T], *args) -> T:
         return await self._model_thread.run(fn, *args)
 
+    def start_reaper(self) -> None:
+        """From now on, on this event loop: drop the orphans idle past the timeout, so an
+        abandoned session's KV cache goes even when no new session comes to trigger the
+        table's own (lazy) eviction."""
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_orphans())
+
+    async def _reap_orphans(self) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, self.limits.session_idle_timeout_s / 4))
+            self.sessions.evict_expired()
+
     def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         self._model_thread.shutdown()

@@ -50,7 +50,7 @@ class SessionTable:
         the limit, orphans whose generation finished (their edge most likely has all of it: a
         stream often ends by a cancel the server sees before the half-close; a late resume of
         one is rebuilt from its history)."""
-        self._evict_expired()
+        self.evict_expired()
         if len(self._entries) >= self.limits.max_sessions:
             self._evict_finished()
         if len(self._entries) >= self.limits.max_sessions:
@@ -61,7 +61,7 @@ class SessionTable:
         """Raises Overloaded when the session's KV cache would pass the budget, after dropping
         expired and finished orphans; sessions already admitted are never squeezed."""
         if self.kv_budget_bytes and self.kv_bytes + kv_bytes > self.kv_budget_bytes:
-            self._evict_expired()
+            self.evict_expired()
             self._evict_finished()
             if self.kv_bytes + kv_bytes > self.kv_budget_bytes:
                 free = max(0, self.kv_budget_bytes - self.kv_bytes)
@@ -73,7 +73,7 @@ class SessionTable:
 
     def take_over(self, session_id: str, owner: object) -> Session | None:
         """The session, now owned by `owner`; None when the server no longer holds it."""
-        self._evict_expired()
+        self.evict_expired()
         entry = self._entries.get(session_id)
         if entry is None:
             return None
@@ -104,8 +104,11 @@ class SessionTable:
                     if e.owner is None and e.session.finished]:
             del self._entries[sid]
 
-    def _evict_expired(self) -> None:
+    def evict_expired(self) -> int:
+        """Drops the orphans idle past the timeout (with their KV caches); returns how many."""
         deadline = self._clock() - self.limits.session_idle_timeout_s
-        for sid in [sid for sid, e in self._entries.items()
-                    if e.owner is None and e.active_at < deadline]:
+        expired = [sid for sid, e in self._entries.items()
+                   if e.owner is None and e.active_at < deadline]
+        for sid in expired:
             del self._entries[sid]
+        return len(expired)

@@ -10,7 +10,7 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.messages import (
-    Done, DraftRequest, GenerateRequest, OpenRequest, Opened, Resume, Verdict,
+    Done, Limits, DraftRequest, GenerateRequest, OpenRequest, Opened, Resume, Verdict,
 )
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
@@ -107,6 +107,27 @@ def test_a_history_past_the_end_of_the_generation_is_refused(isolated_server, ti
                 stream.cancel()
     with pytest.raises(LinkError, match="ends the generation"):
         asyncio.run(go())
+
+
+def test_an_abandoned_session_is_reaped_after_the_idle_timeout(tiny_target):
+    """Its stream gone and no new session arriving, an orphan still goes (with its cache)."""
+    import time
+
+    from tests.server_harness import ServerThread
+
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
+                    session_idle_timeout_s=1)
+
+    async def abandon(address: str) -> None:
+        async with ServerLink(address) as link:
+            await open_and_step(link, 1)
+
+    with ServerThread(tiny_target, limits) as server:
+        asyncio.run(abandon(server.address))
+        time.sleep(0.2)
+        assert len(server.service.sessions) == 1  # held for a resume
+        time.sleep(2.0)
+        assert len(server.service.sessions) == 0
 
 
 async def server_generate(address: str, request: GenerateRequest) -> tuple[list[int], int]:
