@@ -12,7 +12,7 @@ from typing import Awaitable, Callable
 
 import grpc
 
-from shared.auth import AUTH_HEADER, bearer
+from shared.auth import AUTH_HEADER, bearer, read_token
 
 OPEN_METHODS = "/grpc.health.v1.Health/"
 
@@ -27,8 +27,6 @@ class Security:
     def from_files(cls, cert: str | None, key: str | None, token: str | None) -> "Security":
         if (cert is None) != (key is None):
             raise ValueError("--tls-cert and --tls-key go together")
-        from shared.auth import read_token
-
         return cls(None if cert is None else Path(cert).read_bytes(),
                    None if key is None else Path(key).read_bytes(),
                    None if token is None else read_token(token))

@@ -100,7 +100,7 @@ def test_training_prompts_are_not_evaluation_prompts():
     from shared import prompt_sets as evaluation
     from cloud_server.training.prompt_sources import SOURCES, ngrams, opening, training_prompts
 
-    train = training_prompts(SOURCES)
+    train = training_prompts(list(SOURCES))
     assert len(train) > 20000 and len(set(train)) == len(train)
     held = [row["prompt"] for name in evaluation.SETS for row in evaluation.load(name)]
     held_grams = set().union(*map(ngrams, held))

