@@ -51,5 +51,12 @@ class TextStream:
         self._emitted = len(text)
         return new
 
+    def flush(self) -> str:
+        """Whatever push held back: the end of the stream has come, split character or not."""
+        text = self.text()
+        rest = text[self._emitted:]
+        self._emitted = len(text)
+        return rest
+
     def text(self) -> str:
         return self._tokenizer.decode(self._ids, skip_special_tokens=True)

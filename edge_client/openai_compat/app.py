@@ -37,10 +37,8 @@ class AnswerText:
     for the stream as it comes; None on the queue marks the end of the generation."""
 
     def __init__(self, tokenizer: Tokenizer, stops: tuple[str, ...]):
-        self._tokenizer = tokenizer
         self._stream = TextStream(tokenizer)
         self._trim = StopTrimmer(stops)
-        self._pushed = 0
         self.sent = ""
         self.queue: asyncio.Queue[str | None] = asyncio.Queue()
 
@@ -57,14 +55,12 @@ class AnswerText:
     def finish(self, unverified: list[int]) -> str:
         """The rest of the answer: text held back for a split character or a possible stop
         string, then the unverified ids (when the request allows them)."""
-        rest = self._stream.text()[self._pushed:]
-        rest += self._tokenizer.decode(unverified, skip_special_tokens=True)
+        rest = self._stream.push(unverified) + self._stream.flush()
         tail = self._trim.push(rest) + self._trim.finish()
         self.sent += tail
         return tail
 
     def _send(self, text: str) -> None:
-        self._pushed += len(text)
         out = self._trim.push(text)
         if out:
             self.sent += out

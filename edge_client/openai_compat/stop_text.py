@@ -35,7 +35,9 @@ class StopTrimmer:
         return self._take(len(self._text) if cut is None else cut)
 
     def _first_stop(self) -> int | None:
-        found = [i for i in (self._text.find(s) for s in self._stops) if i >= 0]
+        """Searched from what was sent: no stop string starts before it, since the last
+        `longest - 1` characters were held back."""
+        found = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
         return min(found, default=None)
 
     def _take(self, end: int) -> str:
