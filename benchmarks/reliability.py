@@ -20,7 +20,8 @@ import sys
 import time
 import urllib.request
 from collections import Counter
-from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from shared import prompt_sets as prompts
 from benchmarks.common import RESULTS, cloud_server, grouped_bars, machine, markdown_table
@@ -114,32 +115,16 @@ def run_storms(address: str, args: argparse.Namespace) -> list[list[object]]:
     return rows
 
 
-def server_pid(port: int) -> int:
-    """The cloud-server process listening on `port` (its own child of this script)."""
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and f"--metrics-port\0{port}".encode() in _cmdline(proc):
-            return int(proc.name)
-    raise RuntimeError("cloud-server process not found")
+def server_metrics(port: int) -> dict[str, float]:
+    """The server's own view of itself (`--metrics-port`): sessions, RSS, file descriptors."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
+    return {s.name: s.value for family in text_string_to_metric_families(text.decode())
+            for s in family.samples if not s.labels}
 
 
-def _cmdline(proc: Path) -> bytes:
-    try:
-        return (proc / "cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
-def sessions_open(metrics_port: int) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
-    line = next(l for l in text.decode().splitlines() if l.startswith("splitdec_sessions_open"))
-    return float(line.split()[-1])
+def rss_and_fds(port: int) -> tuple[float, int]:
+    sample = server_metrics(port)
+    return sample["process_resident_memory_bytes"] / 2**20, int(sample["process_open_fds"])
 
 
 async def soak_client(address: str, items: list[str], deadline: float, rng: random.Random,
@@ -174,7 +159,6 @@ def refusal(err: LinkError) -> str:
 
 
 def run_soak(address: str, metrics_port: int, args: argparse.Namespace) -> list[list[object]]:
-    pid = server_pid(metrics_port)
     items = [row["prompt"] for name in prompts.SETS for row in prompts.load(name, 10)]
     conditions = NetworkConditions.symmetric(PROFILES[args.profile], outage_rate_per_min=2,
                                              outage_duration_s=2.0, seed=7)
@@ -188,15 +172,15 @@ def run_soak(address: str, metrics_port: int, args: argparse.Namespace) -> list[
                                                    random.Random(i), outcomes))
                    for i in range(args.soak_clients)]
         await asyncio.sleep(min(60.0, 60 * args.soak_minutes / 4))
-        warm.update(rss=rss_mb(pid), fds=len(list(Path(f"/proc/{pid}/fd").iterdir())))
+        warm["rss"], warm["fds"] = rss_and_fds(metrics_port)
         log(f"soak warm: {warm}")
         await asyncio.gather(*clients)
 
     with ProxyThread(address, conditions) as proxy:
         asyncio.run(soak())
     time.sleep(IDLE_TIMEOUT_S + 3)  # the orphans' idle timeout, and the reaper's round
-    end_rss, end_fds = rss_mb(pid), len(list(Path(f"/proc/{pid}/fd").iterdir()))
-    left = sessions_open(metrics_port)
+    end_rss, end_fds = rss_and_fds(metrics_port)
+    left = server_metrics(metrics_port)["splitdec_sessions_open"]
     return [["server RSS after warm-up / at the end (MB)", f"{warm['rss']:.0f} / {end_rss:.0f}"
              f" ({100 * (end_rss / warm['rss'] - 1):+.1f}%)"],
             ["server file descriptors after warm-up / at the end",

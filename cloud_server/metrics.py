@@ -5,7 +5,9 @@ forward did is read off the Verdict it produced, at the one place every message 
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server,
+)
 
 from shared.messages import ServerMessage, Verdict
 
@@ -17,6 +19,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_open_fds, ...
         self.sessions_open = Gauge("splitdec_sessions_open", "sessions held (streaming or "
                                    "waiting for a resume)", registry=r)
         self.sessions_opened = Counter("splitdec_sessions_opened", "sessions opened, by how",

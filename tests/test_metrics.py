@@ -62,3 +62,4 @@ def test_metrics_follow_a_generation(isolated_server):
     assert grew("splitdec_bytes_total[out]") >= result.bytes_down - 64 * result.rounds
     assert grew("splitdec_bytes_total[in]") > 0
     assert grew("splitdec_verify_ms_count") == result.rounds + 1
+    assert after["process_resident_memory_bytes"] > 0 and after["process_open_fds"] > 0
