@@ -5,11 +5,18 @@ from __future__ import annotations
 import contextlib
 import select
 import signal
+import socket
 import subprocess
 import sys
 from typing import Iterator
 
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -9,15 +9,9 @@ import sys
 
 import pytest
 
-from tests.cli_harness import running_server
+from tests.cli_harness import free_port, running_server
 
 EDGE = [sys.executable, "-m", "edge_client.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_missing_server_is_one_line_and_nonzero_exit():

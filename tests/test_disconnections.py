@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
 
 import pytest
 
@@ -16,6 +15,7 @@ from edge_client.link import LinkConfig
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from shared.messages import Limits, Pace
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+from tests.cli_harness import free_port
 from tests.server_harness import ServerThread
 
 
@@ -107,12 +107,6 @@ def test_giving_up_raises_after_the_reconnect_timeout(isolated_server):
     with ProxyThread(isolated_server.address, slow_link(OutageMode.CUT)) as proxy:
         with pytest.raises(ServerUnreachable, match="gave up"):
             asyncio.run(generate_with_outages(proxy.address, proxy, [(0.3, 30.0)], policy))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_server_restart_rebuilds_the_session_from_history(tiny_target):

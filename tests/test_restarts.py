@@ -6,21 +6,16 @@ from __future__ import annotations
 import json
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from tests.cli_harness import free_port
+
 PROMPT = [5, 6, 7, 8, 5, 6, 7] * 3
 NEW = 160
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(model_dir, port: int) -> subprocess.Popen:
