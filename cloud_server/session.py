@@ -10,12 +10,14 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from typing import Callable, Sequence
+from contextlib import nullcontext
+from typing import ContextManager, Protocol, Sequence
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
+from cloud_server.layer_outputs import LayerOutputs
 from cloud_server.target import TargetModel, keep_path
 from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
@@ -34,9 +36,17 @@ DEFAULT_SAMPLING_MODE = AcceptanceMode.TOPK_DRAFTS
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
-# The server half of a drafter fed by activations (cloud_server/moa/activations.py): the rows
-# of cache positions [start, end), [end - start, width].
-ActivationSource = Callable[[DynamicCache, int, int], np.ndarray]
+class ActivationSource(Protocol):
+    """The server half of a drafter fed by activations (cloud_server/moa/activations.py)."""
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs it reads, captured during the forward; () for none."""
+
+    def __call__(self, cache: DynamicCache, start: int, end: int,
+                 hidden: torch.Tensor | None = None) -> np.ndarray:
+        """The rows of cache positions [start, end): [end - start, width]; hidden:
+        [end - start, L, width], those positions' captured layer outputs, or None."""
 
 
 class Session:
@@ -58,6 +68,7 @@ class Session:
             raise InvalidRequest(f"this server has no drafter for {target.model_id} and sends "
                                  "no activations: choose a drafter that needs none")
         self._activation_source = activations
+        self._rows = np.zeros((0, 0), dtype=np.float16)  # [cached positions, width]
         self.pace = request.pace or Pace.LOCKSTEP  # resolved by the service's pacing policy
         self.lead = request.lead
         self.rounds = 0
@@ -163,7 +174,9 @@ class Session:
     def prefill(self) -> Verdict:
         """Round 0: runs the prompt (and a resumed history) and commits the target's next token."""
         start = time.perf_counter()
-        self._cache, logits = self.target.prefill(self.committed)
+        with self._capture() as captured:
+            self._cache, logits = self.target.prefill(self.committed)
+        self._keep_rows(0, captured, None)
         empty = DraftTree((), ())
         acceptance = self._accept(empty, logits[None], self._q_rows(empty, ()))
         return self._verdict((), self._commit(acceptance.tokens), 0, start)
@@ -197,10 +210,12 @@ class Session:
         q_rows = self._q_rows(tree, proposal.q)
         start = time.perf_counter()
         base = len(self.committed) - 1
-        logits = self.target.forward_tree(self._kv, self.committed[-1], tree)
+        with self._capture() as captured:
+            logits = self.target.forward_tree(self._kv, self.committed[-1], tree)
         self.rounds += 1
         acceptance = self._accept(tree, logits, q_rows)
         keep_path(self._kv, base, acceptance.accepted_nodes)
+        self._keep_rows(base, captured, (0, *(1 + i for i in acceptance.accepted_nodes)))
         tokens = self._commit(acceptance.tokens)
         limit = len(tree) if client_nodes is None else client_nodes
         accepted = tuple(i for i in acceptance.accepted_nodes[: len(tokens)] if i < limit)
@@ -218,12 +233,35 @@ class Session:
             queue_ms=0.0 if queued_at is None else 1000 * (start - queued_at),
             verify_ms=1000 * (time.perf_counter() - start), draft_id=draft_id)
 
-    def _activations(self, first: int) -> ActivationRows | None:
+    def _capture(self) -> ContextManager[LayerOutputs | None]:
+        """Captures the layer outputs the activation source reads during a forward, if any."""
+        source = self._activation_source
+        if source is None or self._activation_format is None or not source.hidden_layers:
+            return nullcontext(None)
+        return LayerOutputs(self.target.model, source.hidden_layers)
+
+    def _keep_rows(self, start: int, captured: LayerOutputs | None,
+                   forwarded: tuple[int, ...] | None) -> None:
+        """Computes the activation rows of cache positions start.. after a forward and keeps
+        them with the committed text's; `forwarded` picks the forward's inputs that stayed in
+        the cache (the pending token and the accepted nodes), None all of them."""
+        source = self._activation_source
+        if source is None or self._activation_format is None:
+            return
+        hidden = None
+        if captured is not None:
+            hidden = captured.stacked()[0]  # [forwarded inputs, L, width]
+            if forwarded is not None:
+                hidden = hidden[list(forwarded)]
         end = self._kv.get_seq_length()
-        if self._activation_source is None or self._activation_format is None or first >= end:
+        rows = source(self._kv, start, end, hidden)  # [end - start, width]
+        kept = self._rows[:start] if len(self._rows) else rows[:0]
+        self._rows = np.concatenate((kept, rows))
+
+    def _activations(self, first: int) -> ActivationRows | None:
+        if self._activation_format is None or first >= len(self._rows):
             return None
-        rows = self._activation_source(self._kv, first, end)  # [end - first, width]
-        return ActivationRows(first, rows, self._activation_format)
+        return ActivationRows(first, self._rows[first:], self._activation_format)
 
     def _q_rows(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> QRows | None:
         if self.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:

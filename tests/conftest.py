@@ -45,7 +45,9 @@ def isolated_server(tiny_target):
 @pytest.fixture(scope="session")
 def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head),
-    with the Independent baseline beside it in `independent/`."""
+    with the same network reading hidden states in `last/` and `fused/` and the Independent
+    baseline in `independent/` beside it."""
+    from cloud_server.moa.config import ServerInput
     from cloud_server.training.data import Sample, answer_batch
     from cloud_server.training.moa import Trainer, TrainSettings
 
@@ -54,7 +56,9 @@ def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> P
     samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
     out = tmp_path_factory.mktemp("tiny-moa")
     settings = TrainSettings(steps=80, batch_tokens=256, lr=3e-3, warmup=5, draft_vocab=200,
-                             checkpoint_every=1000, independent=True)
+                             checkpoint_every=1000, independent=True,
+                             server_inputs=(ServerInput.LAYER_KV, ServerInput.LAST_HIDDEN,
+                                            ServerInput.FUSED_HIDDEN))
     Trainer(tiny_target.model, samples, settings, out, stop_ids=(2,)).run()
     return out
 

@@ -132,3 +132,42 @@ def test_lookup_nodes_merge_a_repeated_phrase(tiny_bundle):
     assert tuple(phrase[2:6]) not in {tuple(plain.path_tokens(i)) for i in range(len(plain))}
     # the lookup gets a quarter of the budget at most: none below 4 nodes
     assert with_lookup.propose(context, 3) == without.propose(context, 3)
+
+
+@pytest.mark.parametrize("name", ["last", "fused"])
+def test_hidden_input_drafter_through_the_session(tiny_target, tiny_drafter_dir, name,
+                                                  tmp_path_factory):
+    """A drafter whose server half reads layer outputs: the session captures them in its tree
+    forwards, and every row the Verdicts carry equals the server half over a plain causal
+    forward of the committed text (what training saw); the text equals plain greedy."""
+    from cloud_server.moa.bundle import build_bundle
+    from cloud_server.server_decoding import decode_in_process
+    from shared.messages import OpenRequest
+
+    from cloud_server.layer_outputs import LayerOutputs
+
+    directory = tiny_drafter_dir / name
+    server = ServerActivations.load(directory, tiny_target.model)
+    assert server.hidden_layers
+    bundle = build_bundle(directory, tiny_target.model, "tiny-llama",
+                          tmp_path_factory.mktemp(name), tiny_target.tokenizer_json())
+    drafter = MoaDrafter(bundle, precision=Precision.FP32, max_depth=6, beam=4, branch=4)
+    request = OpenRequest(prompt_ids=tuple(PROMPT), max_new_tokens=32)
+    run = decode_in_process(tiny_target, request, drafter, 16, server)
+    tokens = [t for v in run.verdicts for t in v.tokens]
+    assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
+    assert len(tokens) > len(run.verdicts)  # drafts were accepted
+    sent = {}
+    for verdict in run.verdicts:
+        if verdict.activations is not None:
+            start = verdict.activations.start
+            sent |= {start + i: row for i, row in enumerate(verdict.activations.values)}
+    text = PROMPT + tokens
+    # every committed position but the last (the bonus, never forwarded); a last forward
+    # whose accepted drafts ran past max_new_tokens may send rows beyond
+    assert sorted(sent)[: len(text) - 1] == list(range(len(text) - 1)), sorted(sent)
+    with torch.inference_mode(), LayerOutputs(tiny_target.model, server.hidden_layers) as seen:
+        tiny_target.model(input_ids=torch.tensor([text[:-1]]))
+        expected = server.server(seen.stacked()[0].float()).numpy()  # [len(text) - 1, width]
+    np.testing.assert_allclose(np.stack([sent[i] for i in range(len(text) - 1)]).astype(
+        np.float32), expected, atol=2e-2 * np.abs(expected).max(), rtol=0)

@@ -12,7 +12,9 @@ import torch
 from cloud_server.cli import main as cloud_server_main
 from cloud_server.training.data import Sample, answer_batch
 from shared.drafter_bundle import Memory
-from cloud_server.training.moa import INDEPENDENT, Trainer, TrainSettings
+from cloud_server.moa.config import MoaConfig, ServerInput
+from cloud_server.moa.model import HiddenFusion
+from cloud_server.training.moa import INDEPENDENT, Teacher, Trainer, TrainSettings, teacher
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
 
@@ -75,17 +77,45 @@ def test_independent_baseline_learns_without_activations(tiny_target, samples, t
     for key in ("loss", "independent_loss"):
         assert sum(s[key] for s in stats[-5:]) < 0.7 * sum(s[key] for s in stats[:5]), key
     ids = trainer.batch_for(0).ids
-    layer_kv = torch.zeros(*ids.shape, 1, 1)  # never read by the baseline
-    torch.testing.assert_close(trainer.students[1].memory(ids, layer_kv),
+    nothing = Teacher(torch.zeros(*ids.shape, 1), None, {})  # never read by the baseline
+    torch.testing.assert_close(trainer.students[1].memory(ids, nothing),
                                trainer.students[1].edge.embedding[ids])
+
+
+def test_hidden_input_students_learn_from_the_captured_layers(tiny_target, samples, tmp_path):
+    """The last-layer and fused students read the target's layer outputs of the same pass;
+    they learn, and are written beside the first student under their input's name."""
+    inputs = (ServerInput.LAST_HIDDEN, ServerInput.FUSED_HIDDEN)
+    trainer = Trainer(tiny_target.model, samples, replace(SETTINGS, server_inputs=inputs),
+                      tmp_path, stop_ids=(2,))
+    assert [(s.name, s.config.hidden_layers) for s in trainer.students] == [("", (1,)),
+                                                                            ("fused", (0, 1))]
+    batch = trainer.batch_for(0)
+    seen = teacher(tiny_target.model, batch, [s.config for s in trainer.students])
+    assert seen.layer_kv is None and set(seen.outputs) == {0, 1}
+    with torch.no_grad():
+        out = tiny_target.model.model(input_ids=batch.ids, attention_mask=batch.attention,
+                                      output_hidden_states=True)
+    # hidden_states[i + 1] is layer i's output, except the last, which transformers norms
+    torch.testing.assert_close(seen.outputs[0], out.hidden_states[1].float())
+    stats = [trainer.train_step(trainer.batch_for(s)) for s in range(SETTINGS.steps)]
+    for key in ("loss", "fused_loss"):
+        assert sum(s[key] for s in stats[-5:]) < 0.5 * sum(s[key] for s in stats[:5]), key
+    trainer.settings = replace(trainer.settings, steps=trainer.step_count)
+    trainer.run()
+    config, server, _ = load_drafter(tmp_path / "fused", tiny_target.model)
+    assert config.server_input is ServerInput.FUSED_HIDDEN and config.hidden_layers == (0, 1)
+    assert isinstance(server, HiddenFusion)
 
 
 def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
     out = tmp_path / "run"
     args = ["train-drafter", "--model", str(tiny_model_dir), "--out", str(out), "--device", "cpu",
             "--max-prompts", "4", "--max-prompt-tokens", "1000", "--max-new-tokens", "8",
-            "--steps", "3", "--batch-tokens", "512", "--independent"]
+            "--steps", "3", "--batch-tokens", "512", "--independent", "--server-input", "last,kv"]
     assert cloud_server_main(args) == 0
+    assert MoaConfig.load(out / "moa_config.json").server_input is ServerInput.LAST_HIDDEN
+    assert MoaConfig.load(out / "kv" / "moa_config.json").server_input is ServerInput.LAYER_KV
     assert {"answers.jsonl", "checkpoint.pt", "moa.safetensors", "moa_config.json",
             "training.json"} <= {p.name for p in out.iterdir()}
     assert {"moa.safetensors", "moa_config.json"} <= {p.name for p in (out / INDEPENDENT).iterdir()}
@@ -93,6 +123,13 @@ def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
     assert json.loads((out / "training.json").read_text())["samples"] == answered > 0
     assert cloud_server_main(args) == 1  # a checkpoint is there and --resume was not given
     assert cloud_server_main(args + ["--resume", "--steps", "4"]) == 0
+
+
+@pytest.mark.parametrize("inputs", ["kv,kv", "hidden", ""])
+def test_cli_refuses_unknown_or_repeated_server_inputs(tmp_path, inputs, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cloud_server_main(["train-drafter", "--out", str(tmp_path), "--server-input", inputs])
+    assert exit_info.value.code == 2 and "--server-input" in capsys.readouterr().err
 
 
 def test_training_prompts_are_not_evaluation_prompts():

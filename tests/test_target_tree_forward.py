@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
+from cloud_server.layer_outputs import LayerOutputs
 from cloud_server.target import keep_path
 from shared.tree import DraftTree
 
@@ -47,3 +49,35 @@ def test_prefill_returns_last_position_logits(tiny_target):
     _, last = tiny_target.prefill(PROMPT)
     np.testing.assert_allclose(last.numpy(), causal_logits(tiny_target, PROMPT)[-1].numpy(),
                                atol=1e-4)
+
+
+def causal_layer_outputs(target, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """[len(ids), L, width]: the chosen decoder layers' outputs of a plain causal forward."""
+    with torch.inference_mode(), LayerOutputs(target.model, layers) as captured:
+        target.model(input_ids=torch.tensor([ids]))
+    return captured.stacked()[0]
+
+
+def test_tree_forward_captures_each_paths_layer_outputs(tiny_target):
+    """What the server half reads of an accepted node (hidden-state inputs) equals what a
+    causal forward of its path gives, as for the logits: training saw the causal ones."""
+    pending, layers = 30, (0, 1)
+    cache, _ = tiny_target.prefill(PROMPT)
+    with LayerOutputs(tiny_target.model, layers) as captured:
+        tiny_target.forward_tree(cache, pending, TREE)
+    tree_outputs = captured.stacked()[0]  # [1 + n, L, width]
+    base = PROMPT + [pending]
+    torch.testing.assert_close(tree_outputs[0], causal_layer_outputs(tiny_target, base, layers)[-1],
+                               atol=1e-4, rtol=0)
+    for node in range(len(TREE)):
+        expected = causal_layer_outputs(tiny_target, base + TREE.path_tokens(node), layers)[-1]
+        torch.testing.assert_close(tree_outputs[node + 1], expected, atol=1e-4, rtol=0)
+
+
+def test_layer_outputs_refuses_layers_the_target_lacks(tiny_target):
+    with pytest.raises(ValueError, match="decoder layers"):
+        LayerOutputs(tiny_target.model, (0, 2))
+    with pytest.raises(RuntimeError, match="no forward"):
+        with LayerOutputs(tiny_target.model, (1,)) as captured:
+            pass
+        captured.stacked()

@@ -9,17 +9,36 @@ own answers (docs/architecture.md, Drafters): the head is most of the edge's wor
 `memory` says what the Cross-Attention reads: the target's activations (the MoA drafter), or
 the tokens' own embeddings (the paper's "Independent" baseline: the same network, blind to the
 target's states, so the pair measures what the activations are worth).
+`server_input` says what the server half turns into those activations (`ServerInput`); either
+way one row of the target's width travels per verified token, so the edge half is the same.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from shared.drafter_bundle import Memory
 
 FORMAT_VERSION = 1
+
+
+class ServerInput(StrEnum):
+    """What the server half reads of each verified token (docs/architecture.md, Drafters)."""
+
+    LAYER_KV = "kv"  # per-layer K and V from the KV cache, mixed by Layer Self-Attention (MoA)
+    LAST_HIDDEN = "last"  # the last layer's output, before the final norm (EAGLE's feature)
+    FUSED_HIDDEN = "fused"  # a low, a middle and the last layer's outputs, fused (EAGLE-3)
+
+    def hidden_layers(self, layers: int) -> tuple[int, ...]:
+        """The decoder layers whose outputs this input reads, for a target of `layers`."""
+        if self is ServerInput.LAST_HIDDEN:
+            return (layers - 1,)
+        if self is ServerInput.FUSED_HIDDEN:
+            return tuple(sorted({min(2, (layers - 1) // 3), layers // 2, layers - 1}))
+        return ()
 
 
 @dataclass(frozen=True)
@@ -39,12 +58,15 @@ class MoaConfig:
     rms_eps: float
     draft_vocab: int = 0  # size of the frequency-ranked sub-vocabulary head; 0: the full vocab
     memory: Memory = Memory.ACTIVATIONS  # what the Cross-Attention reads
+    server_input: ServerInput = ServerInput.LAYER_KV  # what the server half reads
+    hidden_layers: tuple[int, ...] = ()  # decoder layers whose outputs it reads (hidden inputs)
     format_version: int = FORMAT_VERSION
 
     @classmethod
     def from_target(cls, config, intermediate: int | None = None,
                     lsa_intermediate: int | None = None, draft_vocab: int = 0,
-                    lsa_stride: int = 2) -> "MoaConfig":
+                    lsa_stride: int = 2,
+                    server_input: ServerInput = ServerInput.LAYER_KV) -> "MoaConfig":
         """Sizes for any Llama-like transformers config (hidden_size, num_*_heads, ...).
 
         The LSA reads every `lsa_stride`-th layer counting down from the last: on this CPU the
@@ -64,7 +86,9 @@ class MoaConfig:
                    lsa_heads=kv_width // head_dim,
                    lsa_intermediate=lsa_intermediate or kv_width,
                    rope_theta=float(theta), rms_eps=float(config.rms_norm_eps),
-                   draft_vocab=draft_vocab if 0 < draft_vocab < config.vocab_size else 0)
+                   draft_vocab=draft_vocab if 0 < draft_vocab < config.vocab_size else 0,
+                   server_input=server_input,
+                   hidden_layers=server_input.hidden_layers(layers))
 
     @property
     def uses_activations(self) -> bool:
@@ -77,7 +101,8 @@ class MoaConfig:
         return self.draft_vocab or self.vocab_size
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self) | {"memory": self.memory.value}
+        return dataclasses.asdict(self) | {"memory": self.memory.value,
+                                           "server_input": self.server_input.value}
 
     @classmethod
     def from_dict(cls, data: dict) -> "MoaConfig":
@@ -90,8 +115,14 @@ class MoaConfig:
         if memory not in {m.value for m in Memory}:
             raise ValueError(f"unknown drafter memory {memory!r}: one of "
                              f"{', '.join(m.value for m in Memory)}")
+        server_input = fields.get("server_input", ServerInput.LAYER_KV.value)
+        if server_input not in {s.value for s in ServerInput}:
+            raise ValueError(f"unknown server input {server_input!r}: one of "
+                             f"{', '.join(s.value for s in ServerInput)}")
         return cls(**fields | {"lsa_layers": tuple(fields["lsa_layers"]),
-                               "memory": Memory(memory)})
+                               "hidden_layers": tuple(fields.get("hidden_layers", ())),
+                               "memory": Memory(memory),
+                               "server_input": ServerInput(server_input)})
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")

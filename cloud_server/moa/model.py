@@ -9,6 +9,12 @@ Knows nothing of training, sessions or the wire. Section 3 of the paper, split p
   cache (cloud_server/target.py keep_path): the activations cost no extra target work and no
   hooks, and the tree forward's K/V of an accepted node equal a causal forward's (a token's K/V
   depend on its ancestors only), so what the server computes matches what training saw.
+- `HiddenFusion`, the server half for hidden-state inputs (`ServerInput.LAST_HIDDEN`,
+  `FUSED_HIDDEN`): the outputs of chosen target layers (cloud_server/layer_outputs.py), each
+  RMS-normalised, concatenated and projected to the target's width by one linear layer, as
+  EAGLE-3 fuses its low, middle and high features (Li et al. 2025, section 3.2). The last
+  layer's output is the best next-token feature there is (EAGLE, Li et al. 2024, section 3) and
+  is in no KV cache: the verification forward captures it for the accepted nodes.
 - `EdgeHalf`: Self-Attention over the target's token embeddings (causal, or tree-masked while
   drafting), Cross-Attention (paper 3.2) whose keys and values come from the activations of
   verified positions only, then the target's final norm and LM head, frozen and shared.
@@ -23,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cloud_server.moa.config import MoaConfig
+from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.layers import Attention, RMSNorm, Rotary, SwiGLU
 
 
@@ -70,6 +76,37 @@ class ServerHalf(nn.Module):
         keys, values = self.lsa.attn.project_kv(self.lsa.attn_norm(x), self.layer_positions)
         x = self.lsa(x, self.layer_positions, keys, values, None)  # [n, L, kv_width]
         return self.proj(x.mean(1)).unflatten(0, lead)  # [..., width]
+
+
+class HiddenFusion(nn.Module):
+    """Chosen layers' outputs of a token -> its activation: [n, L, width] -> [n, width],
+    L = len(config.hidden_layers). Starts as the mean of the normalised layers."""
+
+    def __init__(self, config: MoaConfig) -> None:
+        super().__init__()
+        layers, width = len(config.hidden_layers), config.width
+        self.eps = config.rms_eps
+        self.norm_weight = nn.Parameter(torch.ones(layers, width))  # [L, width]
+        self.proj = nn.Linear(layers * width, width)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.eye(width).repeat(1, layers) / layers)
+            self.proj.bias.zero_()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., L, width] -> activations: [..., width]"""
+        variance = hidden.pow(2).mean(-1, keepdim=True)  # [..., L, 1]
+        x = hidden * torch.rsqrt(variance + self.eps) * self.norm_weight  # [..., L, width]
+        return self.proj(x.flatten(-2))
+
+
+def make_server_half(config: MoaConfig) -> nn.Module | None:
+    """The server half that reads `config.server_input`; None for a drafter whose memory is not
+    the target's activations (the Independent baseline)."""
+    if not config.uses_activations:
+        return None
+    if config.server_input is ServerInput.LAYER_KV:
+        return ServerHalf(config)
+    return HiddenFusion(config)
 
 
 class EdgeHalf(nn.Module):

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from cloud_server.moa.config import MoaConfig
-from cloud_server.moa.model import EdgeHalf, ServerHalf
+from cloud_server.moa.model import EdgeHalf, make_server_half
 
 WEIGHTS = "moa.safetensors"
 CONFIG = "moa_config.json"
@@ -25,7 +26,7 @@ def committed_drafter(model_id: str) -> Path | None:
     return directory if (directory / WEIGHTS).is_file() else None
 
 
-def save_weights(out: Path, config: MoaConfig, server: ServerHalf | None,
+def save_weights(out: Path, config: MoaConfig, server: nn.Module | None,
                  edge: EdgeHalf) -> None:
     """`server` is None for a drafter whose memory is not the target's activations."""
     modules = (("server", server), ("edge", edge)) if server else (("edge", edge),)
@@ -37,14 +38,14 @@ def save_weights(out: Path, config: MoaConfig, server: ServerHalf | None,
 
 
 def load_drafter(directory: Path,
-                 target: torch.nn.Module) -> tuple[MoaConfig, ServerHalf | None, EdgeHalf]:
+                 target: torch.nn.Module) -> tuple[MoaConfig, nn.Module | None, EdgeHalf]:
     """Both halves in fp32 on the target's device, eval mode, edge half sharing the target's
     embedding, final norm and head. The server half is None when the drafter's memory is not
     the target's activations (the Independent baseline)."""
     config = MoaConfig.load(directory / CONFIG)
     tensors = load_file(directory / WEIGHTS)
     device = next(target.parameters()).device
-    server = ServerHalf(config) if config.uses_activations else None
+    server = make_server_half(config)
     edge = EdgeHalf.from_target(config, target, tensors.get("edge.vocab_ids"))
     for prefix, module in (("server.", server), ("edge.", edge)):
         if module is None:

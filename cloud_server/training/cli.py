@@ -48,6 +48,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--draft-vocab", type=int, default=d.draft_vocab,
                    help="draft head over the N most frequent answer tokens; 0: full vocab")
+    p.add_argument("--server-input", default=",".join(i.value for i in d.server_inputs),
+                   type=server_inputs,
+                   help="what the server half reads, comma-separated to train several "
+                        "drafters on the same batches (the first is written to OUT, the others "
+                        "to OUT/<input>): kv (per-layer K/V through Layer Self-Attention), last "
+                        "(the last layer's output), fused (a low, a middle and the last "
+                        "layer's outputs); default %(default)s")
     p.add_argument("--independent", action="store_true",
                    help="also train the paper's Independent baseline on the same batches "
                         "(OUT/independent: the same network reading token embeddings, not "
@@ -57,6 +64,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars and no progress lines")
     return p.parse_args(argv)
+
+
+def server_inputs(text: str) -> tuple:
+    from cloud_server.moa.config import ServerInput
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    known = {i.value for i in ServerInput}
+    unknown = [n for n in names if n not in known]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text!r}: distinct names among {', '.join(known)}")
+    return tuple(ServerInput(n) for n in names)
 
 
 def main(argv: list[str]) -> int:
@@ -88,7 +106,8 @@ def main(argv: list[str]) -> int:
     answered = time.monotonic()
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                              draft_vocab=args.draft_vocab, checkpoint_every=args.checkpoint_every,
-                             independent=args.independent, seed=args.seed)
+                             server_inputs=args.server_input, independent=args.independent,
+                             seed=args.seed)
     trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
     if args.resume and (args.out / CHECKPOINT).exists():
         trainer.load_checkpoint()

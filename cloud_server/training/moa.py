@@ -1,9 +1,10 @@
 """Self-distillation of the MoA drafter from the frozen target (paper section 4, docs/architecture.md, Drafters).
 
 Per batch: the target runs once over prompt + its own answer (no grad) and gives every
-position's per-layer K/V (the server half's input) and its last hidden state after the final
-norm. The server half turns the K/V into activations, the edge half reads the token embeddings
-and the activations up to a random verified boundary (boundaries.py), and the loss is
+position's server-half input (per-layer K/V, or chosen layers' outputs: MoaConfig.server_input)
+and its last hidden state after the final norm. The server half turns its input into
+activations, the edge half reads the token embeddings and the activations up to a random
+verified boundary (boundaries.py), and the loss is
 
     kl_weight * KL(p || q) + feature_weight * SmoothL1(h_drafter, h_target)
 
@@ -11,11 +12,12 @@ over answer positions, where p and q are the target's and the drafter's next-tok
 distributions through the same shared head (the paper weighs its cross-entropy 0.1 and its
 feature loss 1; here both weigh 1 by default because acceptance is judged on the argmax).
 
-With `independent`, the paper's "Independent" baseline trains alongside on the same batches,
-boundaries and teacher pass: the same edge network whose Cross-Attention reads the verified
-tokens' own embeddings instead of the server half's activations (Memory.EMBEDDINGS). The
-students share no parameter, so one optimizer over both with the losses summed trains each
-exactly as alone; gradients are clipped per student.
+`server_inputs` lists one MoA student per server-half input, and with `independent` the paper's
+"Independent" baseline trains alongside: the same edge network whose Cross-Attention reads the
+verified tokens' own embeddings instead of the server half's activations (Memory.EMBEDDINGS).
+All students see the same batches, boundaries and teacher pass, which makes them an ablation.
+They share no parameter, so one optimizer over all with the losses summed trains each exactly
+as alone; gradients are clipped per student.
 Knows nothing of where the samples come from (data.py) or of the command line (cli.py).
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -33,10 +36,13 @@ import torch.nn.functional as F
 from shared import progress
 from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
 from cloud_server.training.boundaries import causal_mask, cross_mask
-from cloud_server.moa.config import MoaConfig
+from torch import nn
+
+from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.moa.config import MoaConfig, ServerInput
 from shared.drafter_bundle import Memory
 from cloud_server.training.data import Sample
-from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv
+from cloud_server.moa.model import EdgeHalf, batch_layer_kv, make_server_half
 from cloud_server.moa.weights import save_weights
 
 CHECKPOINT = "checkpoint.pt"
@@ -54,25 +60,53 @@ class TrainSettings:
     feature_weight: float = 1.0
     draft_vocab: int = 8192  # sub-vocabulary head size (0 or >= the vocab: the full head)
     init_from_target: bool = True  # SA and CA start from the target's first and last layers
+    # one MoA student per input; the first is written to OUT, the others to OUT/<input>
+    server_inputs: tuple[ServerInput, ...] = (ServerInput.LAYER_KV,)
     independent: bool = False  # also train the Independent baseline (written to OUT/independent)
     checkpoint_every: int = 50
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Teacher:
+    """What one target pass over a batch gives the students."""
+
+    target_hidden: torch.Tensor  # [b, T, width], after the final norm: the feature loss's target
+    layer_kv: torch.Tensor | None  # [b, T, L_kv, kv_width] when a student reads K/V
+    outputs: dict[int, torch.Tensor]  # layer -> its output [b, T, width], for hidden inputs
+
+    def server_input(self, config: MoaConfig) -> torch.Tensor:
+        """The server half's input of every position: [b, T, L, in_width]."""
+        if config.server_input is ServerInput.LAYER_KV:
+            assert self.layer_kv is not None
+            return self.layer_kv
+        return torch.stack([self.outputs[i] for i in config.hidden_layers], dim=2)
+
+
 @torch.no_grad()
-def teacher(target: Any, batch: Batch,
-            layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """layer_kv: [b, T, L, kv_width] and last hidden state after the final norm: [b, T, width]."""
-    out = target.model(input_ids=batch.ids, attention_mask=batch.attention, use_cache=True)
-    return batch_layer_kv(out.past_key_values, layers).float(), out.last_hidden_state.float()
+def teacher(target: Any, batch: Batch, configs: list[MoaConfig]) -> Teacher:
+    """One forward of the target, keeping what the students' server halves read."""
+    reading = [c for c in configs if c.uses_activations]
+    kv_layers = next((c.lsa_layers for c in reading
+                      if c.server_input is ServerInput.LAYER_KV), None)
+    hidden_layers = tuple(sorted({i for c in reading for i in c.hidden_layers}))
+    capture = LayerOutputs(target, hidden_layers) if hidden_layers else None
+    with capture or nullcontext():
+        out = target.model(input_ids=batch.ids, attention_mask=batch.attention,
+                           use_cache=kv_layers is not None)
+    layer_kv = (None if kv_layers is None
+                else batch_layer_kv(out.past_key_values, kv_layers).float())
+    outputs = {}
+    if capture is not None:
+        stacked = capture.stacked().float()  # [b, T, L, width]
+        outputs = {layer: stacked[:, :, slot] for slot, layer in enumerate(hidden_layers)}
+    return Teacher(out.last_hidden_state.float(), layer_kv, outputs)
 
 
-def _independent(running: dict[str, float]) -> str:
-    """The Independent baseline's part of a progress line, when it trains."""
-    if "independent_top1" not in running:
-        return ""
-    return (f"  (independent kl {running['independent_kl']:.3f} "
-            f"top1 {running['independent_top1']:.3f})")
+def _others(running: dict[str, float], names: list[str]) -> str:
+    """The other students' part of a progress line."""
+    return "".join(f"  ({name} kl {running[name + '_kl']:.3f} top1 {running[name + '_top1']:.3f})"
+                   for name in names)
 
 
 def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tensor,
@@ -91,19 +125,22 @@ def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tens
 
 @dataclass
 class Student:
-    """One drafter being distilled: the MoA drafter (with its server half) or the Independent
+    """One drafter being distilled: a MoA drafter (with its server half) or the Independent
     baseline (no server half: its memory is the tokens' embeddings)."""
 
+    name: str  # "" for the first (written to OUT), else its subdirectory and stats prefix
     config: MoaConfig
-    server: ServerHalf | None
+    server: nn.Module | None
     edge: EdgeHalf
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [*(self.server.parameters() if self.server else ()), *self.edge.parameters()]
 
-    def memory(self, ids: torch.Tensor, layer_kv: torch.Tensor) -> torch.Tensor:
-        """ids: [b, T], layer_kv: [b, T, L, kv_width] -> CA memory rows: [b, T, width]"""
-        return self.server(layer_kv) if self.server else self.edge.embedding[ids]
+    def memory(self, ids: torch.Tensor, teacher_pass: Teacher) -> torch.Tensor:
+        """ids: [b, T] -> CA memory rows: [b, T, width]"""
+        if self.server is None:
+            return self.edge.embedding[ids]
+        return self.server(teacher_pass.server_input(self.config))
 
     def state(self) -> dict:
         return {"server": self.server.state_dict() if self.server else None,
@@ -124,15 +161,22 @@ class Trainer:
         self.pad = stop_ids[0]
         self.device = next(target.parameters()).device
         torch.manual_seed(settings.seed)
-        self.config = MoaConfig.from_target(target.config, draft_vocab=settings.draft_vocab)
+        if not settings.server_inputs:
+            raise ValueError("train at least one MoA student (server_inputs)")
+        configs = [MoaConfig.from_target(target.config, draft_vocab=settings.draft_vocab,
+                                         server_input=server_input)
+                   for server_input in settings.server_inputs]
+        self.config = configs[0]
+        if settings.independent:
+            configs.append(replace(self.config, memory=Memory.EMBEDDINGS))
         vocab_ids = None
         if self.config.draft_vocab:
             vocab_ids = rank_vocab(samples, self.config.draft_vocab, stop_ids,
                                    self.config.vocab_size)
-        self.students = [self._student(self.config, vocab_ids)]
-        if settings.independent:
-            self.students.append(self._student(replace(self.config, memory=Memory.EMBEDDINGS),
-                                               vocab_ids))
+        names = ["", *(c.server_input.value for c in configs[1:len(settings.server_inputs)]),
+                 *([INDEPENDENT] if settings.independent else [])]
+        self.students = [self._student(name, config, vocab_ids)
+                         for name, config in zip(names, configs)]
         params = [p for student in self.students for p in student.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -140,15 +184,15 @@ class Trainer:
         self.step_count = 0
         self._epochs: dict[int, list[list[int]]] = {}
 
-    def _student(self, config: MoaConfig, vocab_ids: torch.Tensor | None) -> Student:
-        server = ServerHalf(config).to(self.device) if config.uses_activations else None
+    def _student(self, name: str, config: MoaConfig, vocab_ids: torch.Tensor | None) -> Student:
+        server = make_server_half(config)
         edge = EdgeHalf.from_target(config, self.target, vocab_ids).to(self.device)
         if self.settings.init_from_target:
             edge.init_from_target(self.target)
-        return Student(config, server, edge)
+        return Student(name, config, server.to(self.device) if server else None, edge)
 
     @property
-    def server(self) -> ServerHalf | None:
+    def server(self) -> nn.Module | None:
         return self.students[0].server
 
     @property
@@ -178,17 +222,19 @@ class Trainer:
         return self._epochs[epoch]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        layer_kv, target_hidden = teacher(self.target, batch, self.config.lsa_layers)
+        teacher_pass = teacher(self.target, batch, [s.config for s in self.students])
         length = batch.ids.shape[1]
         ca = cross_mask(batch.prompt_lens, length, self.generator).to(self.device)
         sa = causal_mask(length).to(self.device)
         total = torch.zeros((), device=self.device)
         stats: dict[str, float] = {}
-        for student, prefix in zip(self.students, ("", "independent_")):
-            hidden = student.edge(batch.ids, student.memory(batch.ids, layer_kv), sa, ca)
-            loss, own = distill_loss(student.edge, hidden[batch.select],
-                                     target_hidden[batch.select], self.settings)
+        target_hidden = teacher_pass.target_hidden[batch.select]  # [n, width]
+        for student in self.students:
+            hidden = student.edge(batch.ids, student.memory(batch.ids, teacher_pass), sa, ca)
+            loss, own = distill_loss(student.edge, hidden[batch.select], target_hidden,
+                                     self.settings)
             total = total + loss
+            prefix = student.name + "_" if student.name else ""
             stats |= {prefix + k: v for k, v in own.items()}
         self.optimizer.zero_grad(set_to_none=True)
         total.backward()
@@ -216,8 +262,8 @@ class Trainer:
                 if self.step_count % self.settings.checkpoint_every == 0:
                     self.save_checkpoint()
         self.save_checkpoint()
-        for student, out in zip(self.students, (self.out, self.out / INDEPENDENT)):
-            save_weights(out, student.config, student.server, student.edge)
+        for student in self.students:
+            save_weights(self.out / student.name, student.config, student.server, student.edge)
         return running
 
     def _log(self, running: dict[str, float], start: float, first: int, positions: int,
@@ -231,11 +277,13 @@ class Trainer:
         print(f"step {self.step_count}/{self.settings.steps}  "
               f"{positions / elapsed:.0f} tokens/s  loss {running['loss']:.3f}  "
               f"kl {running['kl']:.3f}  feature {running['feature']:.4f}  "
-              f"top1 {running['top1']:.3f}{_independent(running)}  ETA {left / 60:.1f} min",
+              f"top1 {running['top1']:.3f}{_others(running, [s.name for s in self.students[1:]])}"
+              f"  ETA {left / 60:.1f} min",
               file=sys.stderr, flush=True)
 
     def save_checkpoint(self) -> None:
         state = {"students": [student.state() for student in self.students],
+                 "names": [student.name for student in self.students],
                  "optimizer": self.optimizer.state_dict(), "schedule": self.schedule.state_dict(),
                  "generator": self.generator.get_state(), "step": self.step_count,
                  "settings": asdict(self.settings), "config": self.config.to_dict()}
@@ -247,10 +295,11 @@ class Trainer:
         state = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
         if state["config"] != self.config.to_dict():
             raise ValueError(f"{self.out / CHECKPOINT} was trained with other sizes")
-        if len(state["students"]) != len(self.students):
-            raise ValueError(f"{self.out / CHECKPOINT} was trained "
-                             f"{'with' if len(state['students']) > 1 else 'without'} "
-                             "--independent: resume it the same way")
+        names = state.get("names", ["", INDEPENDENT][:len(state["students"])])
+        if names != [s.name for s in self.students]:
+            raise ValueError(f"{self.out / CHECKPOINT} trained the students "
+                             f"{', '.join(n or 'main' for n in names)}: resume it with the same "
+                             "--server-input and --independent")
         for student, saved in zip(self.students, state["students"]):
             student.load_state(saved)
         self.optimizer.load_state_dict(state["optimizer"])
