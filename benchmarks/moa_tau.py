@@ -1,13 +1,18 @@
-"""Offline tau of the drafters: split greedy decoding in one process, no network.
+"""Offline tau of the drafters: split decoding in one process, no network.
 
-For each drafter (pld, aded, the Independent baseline, MoA, MoA with prompt-lookup nodes) the
-target verifies its trees (at most --max-nodes nodes) with greedy acceptance; for MoA the
-server half computes the fresh activations from the compacted cache and the ONNX edge drafter
-takes them, as docs/architecture.md, Pacing describes, all on one thread. Reports tau per set (tokens per
-round, bonus included), acceptance by depth, drafting time per round, the edge's time per step
-call against a plain target decode step, and whether the output equals plain greedy.
+For each drafter the target verifies its trees (at most --max-nodes nodes) through the server's
+own session: greedy acceptance, or at --temperature T > 0 the session's default sampling rule;
+for a MoA drafter the server half computes the fresh activations and the ONNX edge drafter takes
+them, as docs/architecture.md, Pacing describes, all on one thread. Reports tau per set (tokens
+per round, bonus included), acceptance by depth, drafting time per round, the edge's time per
+step call against a plain target decode step, the bundle's size, and (greedy) whether the
+output equals plain greedy.
 
-    python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa] [--per-set 2]
+Drafters (--drafters, comma-separated): pld, aded; moa (the --drafter directory); any
+subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABEL=DIR for
+another trained drafter; any MoA entry with +lookup merges prompt-lookup nodes into its trees.
+
+    python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from shared.drafter_bundle import Graph, Precision, StepIO
 from shared.drafting.base import Drafter
 from shared.messages import ChatMessage, OpenRequest
+from shared.sampling import SamplingParams
 
 
 @dataclass
@@ -37,23 +43,31 @@ class RoundLog:
     server_s: float = 0.0
 
 
-def split_greedy(target, server, drafter, prompt: list[int], max_new: int,
-                 max_nodes: int) -> RoundLog:
-    """Split greedy decoding in process, through the server's own session and loop
+class TimedServerHalf:
+    """The server half, timed; what the session calls for activation rows."""
+
+    def __init__(self, server, log: RoundLog) -> None:
+        self.server, self.log = server, log
+        self.hidden_layers = server.hidden_layers
+
+    def __call__(self, cache, start: int, end: int, hidden=None) -> np.ndarray:
+        began = time.perf_counter()
+        rows = self.server(cache, start, end, hidden)
+        self.log.server_s += time.perf_counter() - began
+        return rows
+
+
+def split_decode(target, server, drafter, prompt: list[int], max_new: int, max_nodes: int,
+                 sampling: SamplingParams = SamplingParams()) -> RoundLog:
+    """Split decoding in process, through the server's own session and loop
     (cloud_server.server_decoding.decode_in_process); `server` (the server half) is None for
     a drafter that reads no activations. Times drafting and the server half apart."""
     from cloud_server.server_decoding import decode_in_process
 
     log = RoundLog()
-
-    def timed(cache, start: int, end: int) -> np.ndarray:
-        began = time.perf_counter()
-        rows = server(cache, start, end)
-        log.server_s += time.perf_counter() - began
-        return rows
-
-    run = decode_in_process(target, OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new),
-                            drafter, max_nodes, timed if server else None)
+    request = OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new, sampling=sampling)
+    run = decode_in_process(target, request, drafter, max_nodes,
+                            TimedServerHalf(server, log) if server else None)
     log.tokens = [t for v in run.verdicts for t in v.tokens]
     log.per_round = [len(v.tokens) for v in run.verdicts[1:]]
     log.draft_s = run.draft_s
@@ -99,21 +113,29 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
     return statistics.median(samples)
 
 
-DRAFTERS = ("pld", "aded", "independent", "moa", "moa+lookup")
+TRAINING_FREE = ("pld", "aded")
+LOOKUP = "+lookup"
+
+
+def moa_directory(entry: str, drafter: Path) -> Path:
+    """The trained drafter an entry of --drafters names (without +lookup)."""
+    if "=" in entry:
+        return Path(entry.split("=", 1)[1])
+    return drafter if entry == "moa" else drafter / entry
 
 
 def main() -> None:
-    from cloud_server.training.moa import INDEPENDENT
     from cloud_server.moa.weights import TRAINED, WEIGHTS
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--drafter", type=Path, default=TRAINED / "SmolLM2-135M-Instruct",
-                   help="trained MoA drafter directory (its independent/ is the baseline)")
-    p.add_argument("--independent", type=Path, default=None,
-                   help="the Independent baseline's directory (default DRAFTER/independent)")
+                   help="trained MoA drafter directory (its subdirectories name more)")
     p.add_argument("--drafters", default="pld,aded,moa,moa+lookup",
-                   help=f"comma-separated, from {', '.join(DRAFTERS)} ('independent' needs a "
-                        "run of train-drafter --independent)")
+                   help="comma-separated: pld, aded, moa, a subdirectory of --drafter "
+                        "(independent, last, fused, kv), LABEL=DIR; +lookup after a MoA entry "
+                        "adds prompt-lookup nodes")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy acceptance; above: the default sampling rule, seeded")
     p.add_argument("--per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64)
@@ -126,14 +148,13 @@ def main() -> None:
                    help="the activations' wire encoding, applied as a round trip")
     p.add_argument("--name", default="moa_tau", help="results file stem")
     args = p.parse_args()
-    unknown = set(args.drafters.split(",")) - set(DRAFTERS)
-    if unknown:
-        p.error(f"unknown drafters {', '.join(sorted(unknown))}; choose from {', '.join(DRAFTERS)}")
-    args.independent = args.independent or args.drafter / INDEPENDENT
-    if "independent" in args.drafters.split(",") and not (args.independent / WEIGHTS).is_file():
-        p.error(f"no Independent baseline in {args.independent}: train one with `cloud-server "
-                "train-drafter --independent --out DIR` and pass --drafter DIR, or leave "
-                "'independent' out of --drafters")
+    for entry in args.drafters.split(","):
+        if entry in TRAINING_FREE:
+            continue
+        directory = moa_directory(entry.removesuffix(LOOKUP), args.drafter)
+        if not (directory / WEIGHTS).is_file():
+            p.error(f"--drafters {entry}: no trained drafter in {directory} (train one with "
+                    "`cloud-server train-drafter`, or leave it out)")
     run(args)
 
 
@@ -144,6 +165,7 @@ class Contender:
     drafter: Drafter
     server: Callable[..., np.ndarray] | None
     bundle: Path | None = None
+    bundle_mb: float = 0.0  # the graphs the edge runs (--precision)
     rounds: dict[str, list[int]] = field(default_factory=dict)  # set -> committed per round
     draft_s: float = 0.0
     server_s: float = 0.0
@@ -155,8 +177,11 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
     """Builds each drafter asked for; the MoA bundles are exported once and cached."""
     from cloud_server.moa.activations import ServerActivations
     from cloud_server.moa.bundle import build_bundle
+    from cloud_server.moa.config import MoaConfig
+    from cloud_server.moa.weights import CONFIG
     from shared.drafting import make_drafter
     from edge_client.drafters.moa import MoaDrafter
+    from edge_client.drafters.moa_bundle import load_manifest
     from shared.cache import cache_root
 
     def bundle_of(directory: Path) -> Path:
@@ -168,19 +193,23 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
                           max_depth=args.max_depth, lookup_nodes=lookup)
 
     built = []
-    for name in args.drafters.split(","):
-        if name in ("pld", "aded"):
-            built.append(Contender(name, make_drafter(name, depth_limit=args.max_depth), None))
-        elif name == "independent":
-            built.append(Contender(name, moa(args.independent, 0), None,
-                                   bundle_of(args.independent)))
-        else:
-            server = ServerActivations.load(args.drafter, target.model)
+    for entry in args.drafters.split(","):
+        if entry in TRAINING_FREE:
+            built.append(Contender(entry, make_drafter(entry, depth_limit=args.max_depth), None))
+            continue
+        directory = moa_directory(entry.removesuffix(LOOKUP), args.drafter)
+        config = MoaConfig.load(directory / CONFIG)
+        server = None
+        if config.uses_activations:
+            server = ServerActivations.load(directory, target.model)
             if args.activations == "int8":
-                server = _int8_round_trip(server)
-            lookup = args.lookup_nodes if name == "moa+lookup" else 0
-            built.append(Contender(name, moa(args.drafter, lookup), server,
-                                   bundle_of(args.drafter)))
+                server = Int8RoundTrip(server)
+        lookup = args.lookup_nodes if entry.endswith(LOOKUP) else 0
+        bundle = bundle_of(directory)
+        manifest = load_manifest(bundle)
+        size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
+        built.append(Contender(entry.split("=")[0] + (LOOKUP if "=" in entry and lookup else ""),
+                               moa(directory, lookup), server, bundle, size / 1e6))
     return built
 
 
@@ -191,14 +220,17 @@ def run(args: argparse.Namespace) -> None:
 
     target = TargetModel.load(*model_store.resolve("default"), "cpu")
     tested = contenders(args, target)
+    greedy = args.temperature == 0
     for name in evaluation.SETS:
-        for item in evaluation.load(name, args.per_set):
+        for index, item in enumerate(evaluation.load(name, args.per_set)):
             prompt = target.apply_chat_template((ChatMessage("user", item["prompt"]),))
-            plain = plain_greedy(target, prompt, args.max_new_tokens)
+            plain = plain_greedy(target, prompt, args.max_new_tokens) if greedy else []
+            sampling = SamplingParams(temperature=args.temperature, seed=index)
             for c in tested:
-                log = split_greedy(target, c.server, c.drafter, prompt, args.max_new_tokens,
-                                   args.max_nodes)
-                same = compare(target, prompt, log.tokens[:args.max_new_tokens], plain).lossless
+                log = split_decode(target, c.server, c.drafter, prompt, args.max_new_tokens,
+                                   args.max_nodes, sampling)
+                same = greedy and compare(target, prompt, log.tokens[:args.max_new_tokens],
+                                          plain).lossless
                 c.rounds.setdefault(name, []).extend(log.per_round)
                 c.draft_s += log.draft_s
                 c.server_s += log.server_s
@@ -221,7 +253,8 @@ def _accepted_by_depth(rounds: list[int], depth: int) -> list[float]:
 def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
     plain_ms = plain_step_ms(target)
     header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round",
-              "server half ms/round", "edge step ms (1/8 queries)", "= plain greedy")
+              "server half ms/round", "edge step ms (1/8 queries)", "bundle MB",
+              "= plain greedy")
     rows, depth_rows, results = [], [], {}
     for c in tested:
         every = [n for rounds in c.rounds.values() for n in rounds]
@@ -231,14 +264,17 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
                      f"{_tau(every):.2f}", f"{1000 * c.draft_s / len(every):.1f}",
                      f"{1000 * c.server_s / len(every):.1f}" if c.server else "-",
                      f"{steps[0]:.2f} / {steps[1]:.2f}" if steps else "-",
-                     f"{c.lossless}/{c.runs}"))
+                     f"{c.bundle_mb:.1f}" if c.bundle else "-",
+                     f"{c.lossless}/{c.runs}" if args.temperature == 0 else "-"))
         accepted = _accepted_by_depth(every, args.max_depth)
         depth_rows.append((c.name, *(f"{a:.2f}" for a in accepted)))
         results[c.name] = {"tau": {s: _tau(c.rounds[s]) for s in evaluation.SETS},
                            "mean_tau": _tau(every), "accepted_by_depth": accepted,
-                           "edge_step_ms": steps, "lossless": [c.lossless, c.runs]}
+                           "edge_step_ms": steps, "bundle_mb": c.bundle_mb,
+                           "lossless": [c.lossless, c.runs]}
     depth_header = ("drafter", *(f"d={d}" for d in range(1, args.max_depth + 1)))
-    text = (f"Drafters in process, greedy, tree <= {args.max_nodes} nodes, depth <= "
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    text = (f"Drafters in process, {how}, tree <= {args.max_nodes} nodes, depth <= "
             f"{args.max_depth}, {args.max_new_tokens} new tokens, {args.per_set} prompts per "
             f"set; MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "
             f"activations); moa+lookup merges up to {args.lookup_nodes} prompt-lookup nodes; "
@@ -255,14 +291,20 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
               for c in tested}
     grouped_bars(RESULTS / f"{args.name}.png", [*evaluation.SETS, "all"], series,
                  "tau (tokens per round)",
-                 f"Drafters in process, greedy, tree <= {args.max_nodes} nodes (moa_tau.py)",
+                 f"Drafters in process, {how}, tree <= {args.max_nodes} nodes (moa_tau.py)",
                  baseline=1.0)
 
 
-def _int8_round_trip(server: Callable[..., np.ndarray]) -> Callable[..., np.ndarray]:
-    from shared.activation_codec import from_int8, to_int8
+class Int8RoundTrip:
+    """The server half's rows through the int8 wire encoding and back."""
 
-    return lambda cache, start, end: from_int8(*to_int8(server(cache, start, end)))
+    def __init__(self, server) -> None:
+        self.server, self.hidden_layers = server, server.hidden_layers
+
+    def __call__(self, cache, start: int, end: int, hidden=None) -> np.ndarray:
+        from shared.activation_codec import from_int8, to_int8
+
+        return from_int8(*to_int8(self.server(cache, start, end, hidden)))
 
 
 if __name__ == "__main__":
