@@ -112,8 +112,12 @@ def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
     out = tmp_path / "run"
     args = ["train-drafter", "--model", str(tiny_model_dir), "--out", str(out), "--device", "cpu",
             "--max-prompts", "4", "--max-prompt-tokens", "1000", "--max-new-tokens", "8",
-            "--steps", "3", "--batch-tokens", "512", "--independent", "--server-input", "last,kv"]
+            "--steps", "3", "--batch-tokens", "512", "--independent", "--server-input", "last,kv",
+            "--snapshot-every", "2"]
     assert cloud_server_main(args) == 0
+    snapshot = out / "snapshots" / "step-2"
+    assert MoaConfig.load(snapshot / "kv" / "moa_config.json").server_input is ServerInput.LAYER_KV
+    assert (snapshot / INDEPENDENT / "moa.safetensors").is_file()
     assert MoaConfig.load(out / "moa_config.json").server_input is ServerInput.LAST_HIDDEN
     assert MoaConfig.load(out / "kv" / "moa_config.json").server_input is ServerInput.LAYER_KV
     assert {"answers.jsonl", "checkpoint.pt", "moa.safetensors", "moa_config.json",

@@ -60,6 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "(OUT/independent: the same network reading token embeddings, not "
                         "the target's activations)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
+    p.add_argument("--snapshot-every", type=int, default=d.snapshot_every, metavar="N",
+                   help="also write the weights every N steps to OUT/snapshots/step-N, for a "
+                        "learning curve (0: never)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars and no progress lines")
@@ -106,6 +109,7 @@ def main(argv: list[str]) -> int:
     answered = time.monotonic()
     settings = TrainSettings(steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr,
                              draft_vocab=args.draft_vocab, checkpoint_every=args.checkpoint_every,
+                             snapshot_every=args.snapshot_every,
                              server_inputs=args.server_input, independent=args.independent,
                              seed=args.seed)
     trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())

@@ -47,6 +47,7 @@ from cloud_server.moa.weights import save_weights
 
 CHECKPOINT = "checkpoint.pt"
 INDEPENDENT = "independent"  # the baseline's weights directory inside the run directory
+SNAPSHOTS = "snapshots"  # weights part-way through a run, for a learning curve
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class TrainSettings:
     server_inputs: tuple[ServerInput, ...] = (ServerInput.LAYER_KV,)
     independent: bool = False  # also train the Independent baseline (written to OUT/independent)
     checkpoint_every: int = 50
+    snapshot_every: int = 0  # also write every student's weights to OUT/snapshots/step-N (0: off)
     seed: int = 0
 
 
@@ -261,10 +263,17 @@ class Trainer:
                 self._log(running, start, first, positions, log_every)
                 if self.step_count % self.settings.checkpoint_every == 0:
                     self.save_checkpoint()
+                every = self.settings.snapshot_every
+                if every and self.step_count % every == 0 and self.step_count < self.settings.steps:
+                    self.save_weights(self.out / SNAPSHOTS / f"step-{self.step_count}")
         self.save_checkpoint()
-        for student in self.students:
-            save_weights(self.out / student.name, student.config, student.server, student.edge)
+        self.save_weights(self.out)
         return running
+
+    def save_weights(self, out: Path) -> None:
+        """Every student's trained part: the first in `out`, the others in out/<name>."""
+        for student in self.students:
+            save_weights(out / student.name, student.config, student.server, student.edge)
 
     def _log(self, running: dict[str, float], start: float, first: int, positions: int,
              log_every: int) -> None:
