@@ -175,22 +175,7 @@ class Contender:
 
 def contenders(args: argparse.Namespace, target) -> list[Contender]:
     """Builds each drafter asked for; the MoA bundles are exported once and cached."""
-    from cloud_server.moa.activations import ServerActivations
-    from cloud_server.moa.bundle import build_bundle
-    from cloud_server.moa.config import MoaConfig
-    from cloud_server.moa.weights import CONFIG
     from shared.drafting import make_drafter
-    from edge_client.drafters.moa import MoaDrafter
-    from edge_client.drafters.moa_bundle import load_manifest
-    from shared.cache import cache_root
-
-    def bundle_of(directory: Path) -> Path:
-        return build_bundle(directory, target.model, target.model_id,
-                            cache_root() / "moa-bundles", target.tokenizer_json())
-
-    def moa(directory: Path, lookup: int) -> MoaDrafter:
-        return MoaDrafter(bundle_of(directory), precision=args.precision,
-                          max_depth=args.max_depth, lookup_nodes=lookup)
 
     built = []
     for entry in args.drafters.split(","):
@@ -198,19 +183,36 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
             built.append(Contender(entry, make_drafter(entry, depth_limit=args.max_depth), None))
             continue
         directory = moa_directory(entry.removesuffix(LOOKUP), args.drafter)
-        config = MoaConfig.load(directory / CONFIG)
-        server = None
-        if config.uses_activations:
-            server = ServerActivations.load(directory, target.model)
-            if args.activations == "int8":
-                server = Int8RoundTrip(server)
         lookup = args.lookup_nodes if entry.endswith(LOOKUP) else 0
-        bundle = bundle_of(directory)
-        manifest = load_manifest(bundle)
-        size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
-        built.append(Contender(entry.split("=")[0] + (LOOKUP if "=" in entry and lookup else ""),
-                               moa(directory, lookup), server, bundle, size / 1e6))
+        name = entry.split("=")[0] + (LOOKUP if "=" in entry and lookup else "")
+        built.append(moa_contender(args, target, name, directory, lookup))
     return built
+
+
+def moa_contender(args: argparse.Namespace, target, name: str, directory: Path,
+                  lookup: int) -> Contender:
+    """A trained drafter (its bundle exported once and cached) with its server half; `args`
+    gives precision, max_depth and activations."""
+    from cloud_server.moa.activations import ServerActivations
+    from cloud_server.moa.bundle import build_bundle
+    from cloud_server.moa.config import MoaConfig
+    from cloud_server.moa.weights import CONFIG
+    from edge_client.drafters.moa import MoaDrafter
+    from edge_client.drafters.moa_bundle import load_manifest
+    from shared.cache import cache_root
+
+    server = None
+    if MoaConfig.load(directory / CONFIG).uses_activations:
+        server = ServerActivations.load(directory, target.model)
+        if args.activations == "int8":
+            server = Int8RoundTrip(server)
+    bundle = build_bundle(directory, target.model, target.model_id,
+                          cache_root() / "moa-bundles", target.tokenizer_json())
+    manifest = load_manifest(bundle)
+    size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
+    drafter = MoaDrafter(bundle, precision=args.precision, max_depth=args.max_depth,
+                         lookup_nodes=lookup)
+    return Contender(name, drafter, server, bundle, size / 1e6)
 
 
 def run(args: argparse.Namespace) -> None:
