@@ -96,7 +96,7 @@ def report(args: argparse.Namespace, curve: dict[str, list[tuple[float, float]]]
     text = (f"tau against answer tokens seen in training ({args.run}), greedy, in process, tree <= "
             f"{args.max_nodes} nodes, no lookup nodes, {args.max_new_tokens} new tokens, "
             f"{args.per_set} prompts per set ({', '.join(evaluation.SETS)}); {machine()}\n\n"
-            f"{markdown_table(('answer tokens', *students), rows)}\n")
+            f"{markdown_table(('answer tokens seen', *students), rows)}\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)
