@@ -3,6 +3,8 @@ target: its greedy drafts equal the torch edge half's, and split decoding with i
 identical to plain greedy decoding while accepting drafts."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -234,3 +236,33 @@ def test_race_aware_drafts_leave_the_text_alone(tiny_target, tiny_drafter_dir, t
                                                server).verdicts for t in v.tokens]
                  for drafter in (aware, RaceBlind(aware))]
         assert texts[0] == texts[1] and texts[0]
+
+
+def test_hidden_input_rows_survive_a_resume_and_a_rebuild(tiny_target, tiny_drafter_dir):
+    """Layer outputs are in no cache, so the session keeps every committed position's row: a
+    resume that lacks the last verdicts gets the same rows again, and a session rebuilt from
+    the history (a server that lost it) computes the same rows by its prefill."""
+    from cloud_server.session import Session
+    from shared.draft_q import Proposal
+    from shared.messages import ActivationFormat, Limits, OpenRequest, Resume
+
+    server = ServerActivations.load(tiny_drafter_dir / "last", tiny_target.model)
+    request = OpenRequest(prompt_ids=tuple(PROMPT), max_new_tokens=16,
+                          activations=ActivationFormat.FP16)
+    session = Session(tiny_target, Limits(), request, server)
+    sent = {}
+    for verdict in [session.prefill()] + [session.advance(Proposal(DraftTree.chain([30, 31])))
+                                          for _ in range(3)]:
+        rows = verdict.activations
+        sent |= {rows.start + i: row for i, row in enumerate(rows.values)}
+    generated = tuple(session.committed[len(PROMPT):])
+    again = session.catch_up(Resume(session.id, generated[:2])).activations
+    for i, row in enumerate(again.values):
+        np.testing.assert_array_equal(row, sent[again.start + i])
+    rebuilt = Session(tiny_target, Limits(), replace(request, resume=Resume("gone", generated)),
+                      server)
+    rows = rebuilt.prefill().activations
+    assert rows.start == 0
+    for position in sorted(sent)[: len(session.committed) - 1]:
+        np.testing.assert_allclose(rows.values[position].astype(np.float32),
+                                   sent[position].astype(np.float32), atol=1e-2, rtol=0)
