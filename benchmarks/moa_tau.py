@@ -10,8 +10,7 @@ output equals plain greedy.
 
 Drafters (--drafters, comma-separated): pld, aded; moa (the --drafter directory); any
 subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABEL=DIR for
-another trained drafter. A MoA entry with +lookup merges prompt-lookup nodes into its trees;
-with +blind it drafts its usual tree under exponential races instead of the race winners.
+another trained drafter; any MoA entry with +lookup merges prompt-lookup nodes into its trees.
 
     python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
@@ -32,7 +31,6 @@ from shared import prompt_sets as evaluation
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from shared.drafter_bundle import Graph, Precision, StepIO
 from shared.drafting.base import Drafter
-from shared.acceptance import AcceptanceMode
 from shared.messages import ChatMessage, OpenRequest
 from shared.sampling import SamplingParams
 
@@ -60,16 +58,14 @@ class TimedServerHalf:
 
 
 def split_decode(target, server, drafter, prompt: list[int], max_new: int, max_nodes: int,
-                 sampling: SamplingParams = SamplingParams(),
-                 acceptance: AcceptanceMode | None = None) -> RoundLog:
+                 sampling: SamplingParams = SamplingParams()) -> RoundLog:
     """Split decoding in process, through the server's own session and loop
     (cloud_server.server_decoding.decode_in_process); `server` (the server half) is None for
     a drafter that reads no activations. Times drafting and the server half apart."""
     from cloud_server.server_decoding import decode_in_process
 
     log = RoundLog()
-    request = OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new, sampling=sampling,
-                          acceptance=acceptance)
+    request = OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new, sampling=sampling)
     run = decode_in_process(target, request, drafter, max_nodes,
                             TimedServerHalf(server, log) if server else None)
     log.tokens = [t for v in run.verdicts for t in v.tokens]
@@ -118,20 +114,7 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
 
 
 TRAINING_FREE = ("pld", "aded")
-LOOKUP, BLIND = "lookup", "blind"  # +suffixes of a MoA entry
-
-
-class RaceBlind:
-    """A drafter drafting its usual tree under races: what race-aware drafting is against."""
-
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def propose_race(self, context, max_nodes: int, race) -> object:
-        return self.inner.propose(context, max_nodes)
+LOOKUP = "+lookup"
 
 
 def moa_directory(entry: str, drafter: Path) -> Path:
@@ -153,9 +136,6 @@ def main() -> None:
                         "adds prompt-lookup nodes")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy acceptance; above: the default sampling rule, seeded")
-    p.add_argument("--acceptance", type=AcceptanceMode, default=None,
-                   choices=[m for m in AcceptanceMode if m is not AcceptanceMode.GREEDY],
-                   help="the sampling rule at --temperature > 0 (default: the session's)")
     p.add_argument("--per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64)
@@ -171,10 +151,7 @@ def main() -> None:
     for entry in args.drafters.split(","):
         if entry in TRAINING_FREE:
             continue
-        head, *suffixes = entry.split("+")
-        if set(suffixes) - {LOOKUP, BLIND}:
-            p.error(f"--drafters {entry}: a MoA entry takes +{LOOKUP} and +{BLIND} only")
-        directory = moa_directory(head, args.drafter)
+        directory = moa_directory(entry.removesuffix(LOOKUP), args.drafter)
         if not (directory / WEIGHTS).is_file():
             p.error(f"--drafters {entry}: no trained drafter in {directory} (train one with "
                     "`cloud-server train-drafter`, or leave it out)")
@@ -205,13 +182,10 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
         if entry in TRAINING_FREE:
             built.append(Contender(entry, make_drafter(entry, depth_limit=args.max_depth), None))
             continue
-        head, *suffixes = entry.split("+")
-        lookup = args.lookup_nodes if LOOKUP in suffixes else 0
-        name = "+".join([head.split("=")[0], *suffixes])
-        contender = moa_contender(args, target, name, moa_directory(head, args.drafter), lookup)
-        if BLIND in suffixes:
-            contender.drafter = RaceBlind(contender.drafter)  # type: ignore[assignment]
-        built.append(contender)
+        directory = moa_directory(entry.removesuffix(LOOKUP), args.drafter)
+        lookup = args.lookup_nodes if entry.endswith(LOOKUP) else 0
+        name = entry.split("=")[0] + (LOOKUP if "=" in entry and lookup else "")
+        built.append(moa_contender(args, target, name, directory, lookup))
     return built
 
 
@@ -256,8 +230,7 @@ def run(args: argparse.Namespace) -> None:
             sampling = SamplingParams(temperature=args.temperature, seed=index)
             for c in tested:
                 log = split_decode(target, c.server, c.drafter, prompt, args.max_new_tokens,
-                                   args.max_nodes, sampling,
-                                   None if greedy else args.acceptance)
+                                   args.max_nodes, sampling)
                 same = greedy and compare(target, prompt, log.tokens[:args.max_new_tokens],
                                           plain).lossless
                 c.rounds.setdefault(name, []).extend(log.per_round)
@@ -302,8 +275,7 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
                            "edge_step_ms": steps, "bundle_mb": c.bundle_mb,
                            "lossless": [c.lossless, c.runs]}
     depth_header = ("drafter", *(f"d={d}" for d in range(1, args.max_depth + 1)))
-    how = "greedy" if args.temperature == 0 else (
-        f"temperature {args.temperature}, acceptance {args.acceptance or 'default'}")
+    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
     text = (f"Drafters in process, {how}, tree <= {args.max_nodes} nodes, depth <= "
             f"{args.max_depth}, {args.max_new_tokens} new tokens, {args.per_set} prompts per "
             f"set; MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "

@@ -13,10 +13,12 @@ from cloud_server.session import ActivationSource, Session
 from cloud_server.target import TargetModel
 from shared.drafting.budget import TreeBudget
 from shared.drafting import DRAFTERS, make_drafter
-from shared.drafting.base import Drafter, DrafterName, draft
+from shared.drafting.base import Drafter, DrafterName
+from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.errors import InvalidRequest
 from shared.messages import ActivationFormat, Limits, OpenRequest, Verdict
+from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
 
 PLAIN = DraftTree((), ())
@@ -70,9 +72,12 @@ class ServerDecoder:
         if self._drafter is None:
             return Proposal(PLAIN)
         start = time.perf_counter()
-        session = self.session
-        proposal = draft(self._drafter, session.acceptance, context, self._budget.nodes(),
-                         session.seed, session.sampling.temperature)
+        nodes = self._budget.nodes()
+        if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
+            proposal = Proposal(self._drafter.propose(context, nodes))
+        else:
+            rng = round_rng(self.session.seed, RngStream.DRAFT, len(context))
+            proposal = self._drafter.propose_sampled(context, nodes, rng)
         self.draft_s += time.perf_counter() - start
         return proposal
 

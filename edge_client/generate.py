@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol, Sequence
 
 from shared.drafting.budget import TreeBudget
-from shared.drafting.base import Drafter, draft
+from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
 from edge_client.following import DraftFollower
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
@@ -24,6 +24,7 @@ from shared.draft_q import Proposal, point_masses
 from shared.messages import (
     Done, DraftRequest, FinishReason, OpenRequest, Opened, Pace, Resume, Verdict,
 )
+from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
 
 
@@ -281,8 +282,10 @@ class SplitGeneration:
         return self._with_q(proposal), False
 
     def _draft(self) -> Proposal:
-        return draft(self.drafter, self._session.acceptance, self.context, self.budget.nodes(),
-                     self._session.seed, self.request.sampling.temperature)
+        if not self._sampled_drafts:
+            return Proposal(self.drafter.propose(self.context, self.budget.nodes()))
+        rng = round_rng(self._session.seed, RngStream.DRAFT, len(self.context))
+        return self.drafter.propose_sampled(self.context, self.budget.nodes(), rng)
 
     def _with_q(self, proposal: Proposal) -> Proposal:
         """Under sampled-drafts, a chain chosen without drawing (offline text, the fallback

@@ -175,69 +175,6 @@ def test_hidden_input_drafter_through_the_session(tiny_target, tiny_drafter_dir,
         np.float32), expected, atol=2e-2 * np.abs(expected).max(), rtol=0)
 
 
-class RaceBlind:
-    """The same drafter drafting its usual tree under races: the comparison for race-aware
-    drafting."""
-
-    def __init__(self, inner: MoaDrafter) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name: str):
-        return getattr(self.inner, name)
-
-    def propose_race(self, context, max_nodes, race):
-        return self.inner.propose(context, max_nodes)
-
-
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_race_aware_drafts_lead_with_the_race_winner_of_q(tiny_target, tiny_drafter_dir,
-                                                           tiny_bundle, temperature):
-    """Every expanded node's first child is the winner, at that node's position, of the race
-    run on q (the node's top-k, renormalised and warped by the temperature)."""
-    from shared.drafting.base import Race
-    from shared.sampling import race_noise, race_winner
-
-    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
-    cache, _ = tiny_target.prefill(PROMPT)
-    drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=1, lookup_nodes=0)
-    drafter.reset(PROMPT)
-    drafter.add_activations(0, server(cache, 0, len(PROMPT), dtype=np.float32))
-    context = PROMPT + [30]
-    top_logprobs, top_ids = drafter._sync(context)
-    q = np.exp(top_logprobs.astype(np.float64) / temperature)
-    firsts = set()
-    for seed in range(40):
-        tree = drafter.propose_race(context, 8, Race(seed, temperature))
-        noise = race_noise(seed, len(context), tiny_target.vocab_size)[top_ids]
-        assert tree.tokens[0] == top_ids[race_winner(q, noise)]
-        firsts.add(tree.tokens[0])
-    assert len(firsts) > 1  # the winner follows the noise, not only the top of q
-    assert drafter.propose_race(context, 8, Race(0, 0.0)) == drafter.propose(context, 8)
-
-
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_race_aware_drafts_leave_the_text_alone(tiny_target, tiny_drafter_dir, tiny_bundle,
-                                                temperature):
-    """Under exponential races the text is a function of (seed, prompt) whatever is drafted,
-    race-aware or not (the tiny target's p is too flat at these temperatures for the top-8 of
-    q to cover its winners often: benchmarks/moa_tau.py measures the gain on the real one)."""
-    from cloud_server.server_decoding import decode_in_process
-    from shared.acceptance import AcceptanceMode
-    from shared.messages import OpenRequest
-    from shared.sampling import SamplingParams
-
-    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
-    aware = MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=6, lookup_nodes=0)
-    for seed in range(3):
-        request = OpenRequest(prompt_ids=tuple(PROMPT), max_new_tokens=32,
-                              sampling=SamplingParams(temperature=temperature, seed=seed),
-                              acceptance=AcceptanceMode.EXPONENTIAL_RACE)
-        texts = [[t for v in decode_in_process(tiny_target, request, drafter, 16,
-                                               server).verdicts for t in v.tokens]
-                 for drafter in (aware, RaceBlind(aware))]
-        assert texts[0] == texts[1] and texts[0]
-
-
 def test_hidden_input_rows_survive_a_resume_and_a_rebuild(tiny_target, tiny_drafter_dir):
     """Layer outputs are in no cache, so the session keeps every committed position's row: a
     resume that lacks the last verdicts gets the same rows again, and a session rebuilt from

@@ -16,16 +16,9 @@ top `branch` children, then keep the best `max_nodes` overall, best first. With
 at most, is merged in when the text repeats itself: copying is what a small drafter predicts
 worst and n-gram lookup best (REST, He et al., arXiv 2311.08252, makes the same case for
 retrieval). Knows nothing of the link or the wire; numpy and onnxruntime only.
-
-Under exponential races (ERSD, Kobus & Gunduz 2025, arXiv 2504.15475) the target's token at a
-position is the winner of a race keyed by the session's seed and that position, so the drafter
-runs the same race on its own q (`propose_race`): wherever q is close to p the two winners
-agree, which the top of q alone does not achieve under sampling.
 """
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -37,15 +30,11 @@ from shared.drafting.pld import PromptLookupDrafter
 from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
-from shared.drafting.base import DrafterName, Race
-from shared.sampling import race_noise
+from shared.drafting.base import DrafterName
 from shared.draft_q import NodeQ, Proposal
 from shared.tree import ROOT, DraftTree
 
 LOOKUP_NODES = 16  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
-# How likely a race-aware tree takes its own race winner to be the target's: the winner child's
-# score; the node's other children share the rest in proportion to q.
-RACE_BELIEF = 0.7
 
 
 @dataclass
@@ -85,7 +74,7 @@ class MoaDrafter:
         manifest = load_manifest(bundle_dir)
         config = manifest.config
         self.kv_heads, self.head_dim = config["kv_heads"], config["head_dim"]
-        self.width, self.vocab_size = config["width"], config["vocab_size"]
+        self.width = config["width"]
         # the Independent baseline: memory rows are the verified tokens, fed by propose itself
         self.memory = manifest.memory
         self.needs_activations = self.memory is Memory.ACTIVATIONS
@@ -152,20 +141,11 @@ class MoaDrafter:
             self._mem_ids = verified
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        return self._tree(context, max_nodes, None)
-
-    def propose_race(self, context: Sequence[int], max_nodes: int, race: Race) -> DraftTree:
-        """The dynamic tree with each expanded node's race winner among its children, scored
-        as RACE_BELIEF, so the chain of winners is drafted first (`_children`)."""
-        return self._tree(context, max_nodes, race if race.temperature > 0 else None)
-
-    def _tree(self, context: Sequence[int], max_nodes: int, race: Race | None) -> DraftTree:
-        """The network's tree merged with prompt-lookup nodes."""
         if not context or max_nodes < 1:
             return DraftTree((), ())
         budget = min(self.lookup_nodes, max_nodes // 4)
         lookup = self._lookup.propose(context, budget) if budget else DraftTree((), ())
-        return self._model_tree(context, max_nodes - len(lookup), race).merged(lookup, max_nodes)
+        return self._model_tree(context, max_nodes - len(lookup)).merged(lookup, max_nodes)
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int, rng: np.random.Generator
                         ) -> Proposal:
@@ -182,15 +162,14 @@ class MoaDrafter:
             self._remember_tokens(context)
         return self.verified > 0
 
-    def _model_tree(self, context: Sequence[int], max_nodes: int,
-                    race: Race | None = None) -> DraftTree:
+    def _model_tree(self, context: Sequence[int], max_nodes: int) -> DraftTree:
         """The network's own dynamic tree of at most `max_nodes` nodes."""
         if max_nodes < 1 or not self._ready(context):
             return DraftTree((), ())
         top_logprobs, top_ids = self._sync(context)  # [top_k] each: the first level
         nodes = _Candidates()
-        for token, score in self._children(top_logprobs, top_ids, len(context), race):
-            nodes.add(token, ROOT, score, 0)
+        for logprob, token in zip(top_logprobs[:self.branch], top_ids[:self.branch]):
+            nodes.add(int(token), ROOT, float(logprob), 0)
         expand = self._expander(context)
         for depth in range(self.max_depth - 1):
             frontier = self._frontier(nodes, depth, max_nodes)
@@ -198,29 +177,10 @@ class MoaDrafter:
                 break
             top_logprobs, top_ids = expand(nodes, frontier)
             for row, node in enumerate(frontier):
-                for token, score in self._children(top_logprobs[row], top_ids[row],
-                                                   len(context) + depth + 1, race):
-                    nodes.add(token, node, nodes.scores[node] + score, depth + 1)
+                for logprob, token in zip(top_logprobs[row, :self.branch],
+                                          top_ids[row, :self.branch]):
+                    nodes.add(int(token), node, nodes.scores[node] + float(logprob), depth + 1)
         return _best_tree(nodes, max_nodes)
-
-    def _children(self, logprobs: np.ndarray, ids: np.ndarray, position: int,
-                  race: Race | None) -> list[tuple[int, float]]:
-        """A node's children with their log scores; logprobs, ids: [top_k], the node's top
-        children, for the token at absolute `position`. Without a race, the top `branch` by
-        log q. Under one, q is the top-k renormalised and warped by the race's temperature (as
-        the server warps p) and the race at `position` is run on it: its winner leads with log
-        RACE_BELIEF, and the best others by q share the rest of the belief."""
-        if race is None:
-            return [(int(t), float(lp)) for t, lp in zip(ids[:self.branch], logprobs[:self.branch])]
-        warped = logprobs.astype(np.float64) / race.temperature
-        warped -= np.logaddexp.reduce(warped)  # [top_k]: log q at the race's temperature
-        arrival = _race_noise(race.seed, position, self.vocab_size)[ids] / np.exp(warped)
-        winner = int(np.argmin(arrival))
-        others = [int(j) for j in np.argsort(-warped) if j != winner][: self.branch - 1]
-        rest = math.log(max(-math.expm1(warped[winner]), 1e-12))  # log(1 - q(winner))
-        return [(int(ids[winner]), math.log(RACE_BELIEF)),
-                *((int(ids[j]), math.log(1 - RACE_BELIEF) + float(warped[j]) - rest)
-                  for j in others)]
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:
@@ -335,12 +295,6 @@ def sampled_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand, max_nodes
         for row, (node, width) in enumerate(plan):
             draw(node, top_logprobs[row], top_ids[row], width)
     return Proposal(DraftTree(tuple(nodes.tokens), tuple(nodes.parents)), tuple(qs))
-
-
-@functools.lru_cache(maxsize=16)
-def _race_noise(seed: int, position: int, vocab: int) -> np.ndarray:
-    """The race noise of a position, kept while a tree's nodes at that depth expand."""
-    return race_noise(seed, position, vocab)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

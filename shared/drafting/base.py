@@ -5,8 +5,6 @@ update_candidate_strategy), docs/architecture.md, Drafters.
 """
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Protocol, Sequence
 
@@ -14,7 +12,6 @@ import numpy as np
 
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
-from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
 
 
@@ -26,15 +23,6 @@ class DrafterName(StrEnum):
     MOA = "moa"  # the trained drafter (edge_client/drafters/moa.py)
     PLD = "pld"
     ADED = "aded"
-
-
-@dataclass(frozen=True)
-class Race:
-    """A session's exponential races (ERSD; shared/acceptance.py accept_exponential_race): the
-    seed that keys every position's noise, and the temperature that warps the target's p."""
-
-    seed: int
-    temperature: float
 
 
 class Drafter(Protocol):
@@ -61,18 +49,13 @@ class Drafter(Protocol):
         """For acceptance sampled-drafts: a tree whose children were drawn from q without
         replacement, and for every node with children the q they were drawn from."""
 
-    def propose_race(self, context: Sequence[int], max_nodes: int, race: Race) -> DraftTree:
-        """For acceptance exponential-race: a tree that follows the race winners of its own q
-        where it can (the target's token at a position is the winner of that position's race
-        under p, so where q is close to p the winners agree)."""
-
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:
         """Learns from a verdict: `context` is the committed ids before the round, `tokens` the
         ids the round committed (accepted drafts then the target's own token)."""
 
 
-class TextDrafter(ABC):
+class TextDrafter:
     """What a drafter that reads only the text has in common: no activations."""
 
     name: DrafterName
@@ -82,23 +65,3 @@ class TextDrafter(ABC):
 
     def add_activations(self, start: int, values: np.ndarray) -> None:
         raise ValueError(f"the {self.name} drafter reads no activations")
-
-    @abstractmethod
-    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        """As Drafter.propose."""
-
-    def propose_race(self, context: Sequence[int], max_nodes: int, race: Race) -> DraftTree:
-        """The usual tree: a text drafter's counts are no distribution worth racing on."""
-        return self.propose(context, max_nodes)
-
-
-def draft(drafter: Drafter, acceptance: AcceptanceMode, context: Sequence[int], max_nodes: int,
-          seed: int, temperature: float) -> Proposal:
-    """Asks `drafter` for the tree the session's acceptance rule wants: drafts drawn from q
-    with their q (sampled-drafts), race-aware drafts (exponential-race), or its usual tree."""
-    if acceptance is AcceptanceMode.SAMPLED_DRAFTS:
-        rng = round_rng(seed, RngStream.DRAFT, len(context))
-        return drafter.propose_sampled(context, max_nodes, rng)
-    if acceptance is AcceptanceMode.EXPONENTIAL_RACE:
-        return Proposal(drafter.propose_race(context, max_nodes, Race(seed, temperature)))
-    return Proposal(drafter.propose(context, max_nodes))
