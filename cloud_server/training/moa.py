@@ -62,7 +62,7 @@ class TrainSettings:
     draft_vocab: int = 8192  # sub-vocabulary head size (0 or >= the vocab: the full head)
     init_from_target: bool = True  # SA and CA start from the target's first and last layers
     # one MoA student per input; the first is written to OUT, the others to OUT/<input>
-    server_inputs: tuple[ServerInput, ...] = (ServerInput.LAYER_KV,)
+    server_inputs: tuple[ServerInput, ...] = (ServerInput.LAST_HIDDEN,)
     independent: bool = False  # also train the Independent baseline (written to OUT/independent)
     checkpoint_every: int = 50
     snapshot_every: int = 0  # also write every student's weights to OUT/snapshots/step-N (0: off)
