@@ -35,6 +35,17 @@ def first_line(command: list[str], prefix: str, timeout_s: float) -> Iterator[st
         assert proc.wait(timeout=30) == 0
 
 
+def server_process(port: int, *extra: str) -> subprocess.Popen:
+    """A cloud-server process on `port`, returned once it listens; the caller stops it. For
+    tests that kill and restart a server on the same port."""
+    proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", str(port),
+                             "--device", "cpu", "--quiet", *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
+    assert ready and proc.stdout.readline().startswith("listening on "), "no server"
+    return proc
+
+
 @contextlib.contextmanager
 def running_server(*extra: str) -> Iterator[str]:
     """A cloud-server on a free port; yields HOST:PORT."""

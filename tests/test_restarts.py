@@ -4,7 +4,6 @@ finishes with exactly the text of an undisturbed run. Real processes, the tiny m
 from __future__ import annotations
 
 import json
-import select
 import signal
 import subprocess
 import sys
@@ -12,20 +11,14 @@ import time
 
 import pytest
 
-from tests.cli_harness import free_port
+from tests.cli_harness import free_port, server_process
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7] * 3
 NEW = 160
 
 
 def start_server(model_dir, port: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--model", str(model_dir),
-                             "--port", str(port), "--device", "cpu", "--drafter-dir", "none",
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], 120)
-    assert ready and proc.stdout.readline().startswith("listening on "), "no server"
-    return proc
+    return server_process(port, "--model", str(model_dir), "--drafter-dir", "none")
 
 
 def edge_run(port: int, tmp_path, name: str) -> tuple[subprocess.Popen, object]:
