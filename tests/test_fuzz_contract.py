@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 
 from cloud_server.reference import plain_greedy
@@ -46,7 +45,7 @@ def test_fuzzed_message_sequences_get_clear_statuses(fuzz_server, tiny_target):
         healthy.stop.set()
         healthy.join(60)
     print(f"fuzzed {tally.sequences} sequences, {tally.messages} messages: {tally.summary()}")
-    assert tally.sequences >= EXAMPLES and tally.codes[grpc.StatusCode.OK] > 0
+    assert tally.sequences >= EXAMPLES and tally.codes["OK"] > 0
     assert not internal_errors(fuzz_server), "the server failed internally"
     assert healthy.outputs and all(o == plain_greedy(tiny_target, HEALTHY_PROMPT, HEALTHY_TOKENS)
                                    for o in healthy.outputs)
@@ -59,5 +58,5 @@ def test_mutated_wire_bytes_get_clear_statuses(fuzz_server):
     tally = Tally()
     fuzz(fuzz_server.address, mutated(), EXAMPLES, tally)
     print(f"mutated: {tally.summary()}")
-    assert tally.codes[grpc.StatusCode.INVALID_ARGUMENT] > 0
+    assert tally.codes["INVALID_ARGUMENT"] > 0
     assert not internal_errors(fuzz_server), "the server failed internally"

@@ -34,19 +34,20 @@ def run_fuzz(cases: int) -> dict[str, object]:
                           "--metrics-port", str(port), *LIMITS) as address:
             started = server_metrics(port)["process_start_time_seconds"]
             tallies = {"message sequences": Tally(), "mutated wire bytes": Tally()}
-            failure, healthy = fuzz_beside_healthy(address, cases, tallies)
+            failure, healthy, refused = fuzz_beside_healthy(address, cases, tallies)
             time.sleep(IDLE_TIMEOUT_S + 3)  # the orphans' idle timeout, and the reaper's round
             end = server_metrics(port)
     return {"tallies": tallies, "failure": failure,
-            "healthy": len(healthy), "healthy exact": all(o == expected for o in healthy),
+            "healthy": len(healthy), "healthy refused": refused, "healthy exact": all(o == expected for o in healthy),
             "internal errors": end.get("splitdec_requests_refused_total{code=internal}", 0.0),
             "sessions left": end["splitdec_sessions_open"],
             "restarted": end["process_start_time_seconds"] != started}
 
 
 def fuzz_beside_healthy(address: str, cases: int, tallies: dict[str, Tally]
-                        ) -> tuple[str, list[list[int]]]:
-    """Fuzzes until done or the first unclear call: (that call, or "", healthy outputs)."""
+                        ) -> tuple[str, list[list[int]], int]:
+    """Fuzzes until done or the first unclear call: (that call, or "", the healthy outputs,
+    the healthy Opens refused while the fuzzer's orphans filled the session table)."""
     healthy = Healthy(address, HEALTHY_TOKENS)
     healthy.start()
     failure = ""
@@ -56,10 +57,12 @@ def fuzz_beside_healthy(address: str, cases: int, tallies: dict[str, Tally]
             log(f"fuzz: {n} cases of {name}")
             fuzz(address, strategy, n, tally)
             log(f"fuzz: {name}: {tally.summary()}")
+        if not healthy.is_alive():
+            failure = "the healthy generation failed (its traceback is above)"
     except AssertionError as err:
         failure = str(err)[:500]
         log(f"fuzz: FAILED: {failure}")
     finally:
         healthy.stop.set()
         healthy.join(120)
-    return failure, healthy.outputs
+    return failure, healthy.outputs, healthy.refused
