@@ -29,9 +29,13 @@ from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from shared.messages import ChatMessage, OpenRequest, Pace
 from netsim import PROFILES, NetworkConditions, Outage, OutageMode, ProxyThread
 
-SPLIT_PACES = {"split-lockstep": Pace.LOCKSTEP, "split-server": Pace.SERVER,
-               "split-auto": Pace.AUTO}
-METHODS = ("plain-api", "server-spec", *SPLIT_PACES)
+# split methods: (pace, --draft-ahead); the "-near" ones draft from the newest committed
+# token alone, the ablation of edge_client/following.py's drafts that reach ahead
+SPLIT_PACES: dict[str, tuple[Pace, int | None]] = {
+    "split-lockstep": (Pace.LOCKSTEP, None), "split-server": (Pace.SERVER, None),
+    "split-auto": (Pace.AUTO, None), "split-server-near": (Pace.SERVER, 0),
+    "split-auto-near": (Pace.AUTO, 0)}
+METHODS = ("plain-api", "server-spec", "split-lockstep", "split-server", "split-auto")
 
 
 def parse_args() -> argparse.Namespace:
@@ -41,10 +45,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--profiles", default=",".join(p for p in PROFILES if "lossy" not in p))
     p.add_argument("--drafter", default="pld", help="the split client's drafter")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated, from: plain-api, server-spec, "
+                        + ", ".join(SPLIT_PACES))
     p.add_argument("--outage-profile", default="4g")
     p.add_argument("--outage-s", type=float, default=3.0)
     p.add_argument("--name", default="latency", help="output file stem")
-    return p.parse_args()
+    args = p.parse_args()
+    args.methods = args.methods.split(",")
+    if unknown := set(args.methods) - {"plain-api", "server-spec", *SPLIT_PACES}:
+        p.error(f"unknown methods: {', '.join(sorted(unknown))}")
+    if "plain-api" not in args.methods:
+        p.error("--methods must include plain-api, the baseline of every ratio")
+    return args
 
 
 def log(msg: str) -> None:
@@ -83,7 +96,9 @@ async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> d
     """One generation through the product's own client: split at a pace, or a baseline."""
     arrivals = Arrivals()
     if method in SPLIT_PACES:
-        r = await client.generate(replace(request, pace=SPLIT_PACES[method]), arrivals)
+        pace, ahead = SPLIT_PACES[method]
+        client.options = replace(client.options, draft_ahead=ahead)
+        r = await client.generate(replace(request, pace=pace), arrivals)
     else:
         r = await server_generate(client.link, request, Mode(method), arrivals)
     return record(r, arrivals)
@@ -98,12 +113,12 @@ async def run_profile(address: str, profile: str, items: list[dict], args) -> li
             # A fresh channel's first server stream arrives in bursts (seen here: 200 ms
             # apart, then smooth); one short run of each method first keeps that out.
             warm = OpenRequest(chat=(ChatMessage("user", items[0]["prompt"]),), max_new_tokens=4)
-            for method in METHODS:
+            for method in args.methods:
                 await run_method(client, method, warm)
             for item in items:
                 request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                                       max_new_tokens=args.max_new_tokens)
-                for method in METHODS:
+                for method in args.methods:
                     done = await run_method(client, method, request)
                     records.append({"profile": profile, "rtt_ms": conditions.rtt_ms,
                                     "method": method, "id": item["id"], **done})
@@ -116,7 +131,7 @@ def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for profile in dict.fromkeys(r["profile"] for r in records):
         plain = _group(records, profile, "plain-api")
-        for method in METHODS:
+        for method in dict.fromkeys(r["method"] for r in records):
             group = _group(records, profile, method)
             tokens = sum(len(r["output_ids"]) for r in group)
             speed = tokens / sum(r["wall_s"] for r in group)
@@ -207,7 +222,8 @@ def plot(rows: list[dict], path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, work) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for method in METHODS:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for method in methods:
         mine = [r for r in rows if r["method"] == method]
         speed.plot([r["rtt_ms"] for r in mine], [r["tokens_per_s"] for r in mine], "o-",
                    label=method)
@@ -220,7 +236,7 @@ def plot(rows: list[dict], path) -> None:
     speed.legend(fontsize=8)
     speed.set_title("Tokens/s vs link RTT")
     per_method = {m: np.mean([r["forwards_per_token"] for r in rows if r["method"] == m])
-                  for m in METHODS}
+                  for m in methods}
     work.bar(list(per_method), list(per_method.values()),
              color=[f"C{i}" for i in range(len(per_method))])
     work.tick_params(axis="x", labelrotation=20)

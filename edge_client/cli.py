@@ -83,6 +83,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lead", type=positive, default=None, metavar="N",
                    help="paced split: tokens the server may commit past what this client has "
                         "received (default: the server's, 32)")
+    p.add_argument("--draft-ahead", type=draft_ahead, default=None, metavar="auto|N",
+                   help="paced split: start each tree N tokens past the newest committed one, "
+                        "below the drafter's guess of the tokens the server commits while the "
+                        "draft travels; 'auto' (default): N measured from the drafts the "
+                        "server used; 0: off")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tls", action="store_true",
@@ -126,6 +131,14 @@ def server_path(args: argparse.Namespace) -> Iterator[str]:
 
 def tree_nodes(text: str) -> int | None:
     return None if text == "auto" else positive(text)
+
+
+def draft_ahead(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a count >= 0, got {text!r}")
+    return int(text)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -230,7 +243,7 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         pipeline=not args.no_pipeline)
     return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens, sampling, acceptance,
                          tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
-                         Mode(args.mode), Pace(args.pace), args.lead or 0)
+                         Mode(args.mode), Pace(args.pace), args.lead or 0, args.draft_ahead)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,8 @@ class ClientOptions:
     mode: Mode = Mode.SPLIT  # or a baseline the server runs alone (server_only.py)
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # paced sessions: tokens the server may run ahead; 0: the server's default
+    # Paced sessions: tokens past which drafts reach (edge_client/following.py); None: measured.
+    draft_ahead: int | None = None
 
     def __post_init__(self) -> None:
         # The library's boundary: a caller may name the drafter as text ("pld").
@@ -101,13 +103,12 @@ class EdgeClient:
                        listener: Listener | None = None) -> GenerationResult:
         if self.options.mode is not Mode.SPLIT:
             return await server_generate(self.link, request, self.options.mode, listener)
-        limits = self.info.limits
         if self._drafters.needs_activations:
             request = replace(request, activations=self.options.activation_format)
         async with self._drafters.checkout() as drafter:
             return await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,
-                max_chain=min(limits.max_tree_nodes, limits.max_tree_depth))
+                self.info.limits, self.options.draft_ahead)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -16,13 +16,13 @@ from typing import Protocol, Sequence
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.following import DraftFollower
+from edge_client.following import DraftFollower, Lag, drafted_ahead
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal, point_masses
 from shared.messages import (
-    Done, DraftRequest, FinishReason, OpenRequest, Opened, Pace, Resume, Verdict,
+    Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace, Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
@@ -116,11 +116,15 @@ class SplitGeneration:
 
     def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
                  budget: TreeBudget, listener: Listener | None = None,
-                 policy: LinkPolicy = LinkPolicy(), max_chain: int = 32):
+                 policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
+                 ahead: int | None = None):
         self.link, self.drafter, self.request, self.budget = link, drafter, request, budget
         self.listener = listener or SilentListener()
         self.policy = policy
-        self.max_chain = max_chain  # offline tokens verified per round (server's depth limit)
+        self.limits = limits  # the server's: trees past them are refused
+        # offline tokens verified per round
+        self.max_chain = min(limits.max_tree_nodes, limits.max_tree_depth)
+        self.lag = Lag(ahead)  # paced sessions: how far ahead drafts reach (None: measured)
         self.result = GenerationResult()
         self.opened: Opened | None = None
         self.context: list[int] = []  # prompt + committed tokens
@@ -233,7 +237,7 @@ class SplitGeneration:
         """A server-paced session: the server runs forward after forward; the edge answers
         every Verdict with a draft from the new committed position, or only acknowledges it
         while its last draft still continues the text (the server re-roots it)."""
-        follower = DraftFollower()
+        follower = DraftFollower(self.lag)
         await self._answer(stream, follower)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict: Verdict = await _expect(stream, Verdict)
@@ -246,8 +250,8 @@ class SplitGeneration:
 
     async def _answer(self, stream: DecodeStream, follower: "DraftFollower") -> None:
         proposal = Proposal(DraftTree((), ()))  # an acknowledgement
-        if not follower.continues(self.context):
-            proposal, _ = self._next_tree()
+        if follower.due(self.context):
+            proposal, _ = self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
         await stream.send(follower.sent(DraftRequest(0, len(self.context), proposal.tree,
                                                      proposal.q)))
@@ -266,24 +270,28 @@ class SplitGeneration:
     def _sampled_drafts(self) -> bool:
         return self._session.acceptance is AcceptanceMode.SAMPLED_DRAFTS
 
-    def _next_tree(self) -> tuple[Proposal, bool]:
+    def _next_tree(self, ahead: int = 0) -> tuple[Proposal, bool]:
         """The tree to send with the q its drafts were drawn from (acceptance sampled-drafts
-        only), and whether it is offline text being checked."""
+        only), and whether it is offline text being checked. `ahead`: tokens the server will
+        commit before it can use the tree (paced sessions; following.py)."""
         if self.offline:
             return self._with_q(Proposal(DraftTree.chain(self.offline[: self.max_chain]))), True
         ready, self._ready_tree = self._ready_tree, None
         if ready is not None:
             return self._with_q(Proposal(ready)), False
         start = time.perf_counter()
-        proposal = self._draft()
+        proposal = self._draft(ahead)
         self.result.draft_s += time.perf_counter() - start
         if not len(proposal.tree):
             proposal = Proposal(fallback_tree(self.context))
         return self._with_q(proposal), False
 
-    def _draft(self) -> Proposal:
+    def _draft(self, ahead: int) -> Proposal:
+        """Under sampled-drafts a tree must be as drawn from its q, so it never reaches ahead."""
         if not self._sampled_drafts:
-            return Proposal(self.drafter.propose(self.context, self.budget.nodes()))
+            return Proposal(drafted_ahead(self.drafter, self.context, self.budget.nodes(), ahead,
+                                          self.limits.max_tree_nodes,
+                                          self.limits.max_tree_depth))
         rng = round_rng(self._session.seed, RngStream.DRAFT, len(self.context))
         return self.drafter.propose_sampled(self.context, self.budget.nodes(), rng)
 
@@ -364,8 +372,8 @@ class SplitGeneration:
 
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
                          budget: TreeBudget, listener: Listener | None = None,
-                         policy: LinkPolicy = LinkPolicy(), max_chain: int = 32
-                         ) -> GenerationResult:
+                         policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
+                         ahead: int | None = None) -> GenerationResult:
     """Runs one generation to its end (see SplitGeneration)."""
-    return await SplitGeneration(link, drafter, request, budget, listener, policy,
-                                 max_chain).run()
+    return await SplitGeneration(link, drafter, request, budget, listener, policy, limits,
+                                 ahead).run()

@@ -145,5 +145,6 @@ def race_winner(probs: np.ndarray, noise: np.ndarray) -> int:
     """
     probs = np.asarray(probs, dtype=np.float64)  # [vocab]
     arrival = np.full(probs.shape, np.inf)  # [vocab]; a token with p(v) = 0 never arrives
-    np.divide(noise, probs, out=arrival, where=probs > 0)
+    with np.errstate(over="ignore"):  # a subnormal p(v) arrives at inf: never, as it should
+        np.divide(noise, probs, out=arrival, where=probs > 0)
     return int(np.argmin(arrival))

@@ -44,3 +44,15 @@ def test_client_drafts_join_the_forwards(tiny_server):
 def test_lockstep_is_the_rounds_of_old(tiny_server):
     for r in paced_outputs(tiny_server.address, "pld", Pace.LOCKSTEP, tree_nodes=16):
         assert r.rounds + r.accepted_tokens <= len(r.output_ids) <= 1 + r.rounds + r.accepted_tokens
+
+
+@pytest.mark.parametrize("ahead", [None, 3])
+def test_drafts_that_reach_ahead_keep_the_text_exact(tiny_server, tiny_target, ahead):
+    """Measured lag (None) and a fixed one: trees hung below the expected tokens change which
+    nodes the server verifies, never the text."""
+    async def go():
+        options = ClientOptions("pld", None, MAX_NEW, pace=Pace.SERVER, draft_ahead=ahead)
+        async with EdgeClient(tiny_server.address, options) as client:
+            return [await client.generate(options.open_request(prompt_ids=p)) for p in PROMPTS]
+    for prompt, result in zip(PROMPTS, asyncio.run(go())):
+        assert result.output_ids == plain_greedy(tiny_target, prompt, MAX_NEW)

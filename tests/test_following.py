@@ -1,0 +1,81 @@
+"""The edge's side of a server-paced session (edge_client/following.py): the lag a draft meets
+in flight, measured from the drafts the server used or overtook, and drafts that reach past it."""
+from __future__ import annotations
+
+import pytest
+
+from edge_client.following import DraftFollower, Lag, drafted_ahead
+from shared.drafting.pld import PromptLookupDrafter
+from shared.messages import DraftRequest, Verdict
+from shared.rerooting import reroot
+from shared.tree import DraftTree
+
+TEXT = list(range(10, 30)) * 3  # lookup drafts continue it exactly
+
+
+def sent(follower: DraftFollower, base: int, tree: DraftTree) -> DraftRequest:
+    return follower.sent(DraftRequest(0, base, tree))
+
+
+def test_below_hangs_a_tree_under_a_chain():
+    tree = DraftTree((7, 8, 9), (-1, 0, -1))
+    hung = tree.below([1, 2])
+    assert hung.tokens == (1, 2, 7, 8, 9) and hung.parents == (-1, 0, 1, 2, 1)
+    assert hung.subtree(1) == tree
+
+
+def test_a_used_draft_teaches_the_lag_it_met():
+    lag = Lag()
+    follower = DraftFollower(lag)
+    draft = sent(follower, 3, DraftTree.chain([4, 5, 6, 7]))
+    context = [1, 2, 3, 4, 5]  # the server committed two tokens before the forward that used it
+    assert follower.verified(Verdict(1, (0,), (6, 7), 7, draft_id=draft.round_id), context)
+    assert lag.mean == pytest.approx(0.6) and lag.ahead() == 1  # from a start at 0
+    for _ in range(5):
+        follower.verified(Verdict(1, (), (6,), 6, draft_id=sent(
+            follower, 3, DraftTree.chain([4, 5, 6, 7])).round_id), context)
+    assert lag.ahead() == 2
+
+
+def test_an_overtaken_draft_teaches_a_lower_bound_and_a_wrong_one_nothing():
+    lag = Lag()
+    follower = DraftFollower(lag)
+    sent(follower, 2, DraftTree.chain([3, 4]))
+    assert not follower.due([1, 2, 3])  # still continues the text
+    assert follower.due([1, 2, 3, 4, 5, 6])  # right to its leaf, but the server is past it
+    assert lag.mean == pytest.approx(1.2)
+    sent(follower, 2, DraftTree.chain([3, 4]))
+    assert follower.due([1, 2, 9, 9])  # another text: says nothing of the lag
+    assert lag.mean == pytest.approx(1.2)
+    assert follower.due([1, 2, 9, 9])  # no live draft: always due
+
+
+def test_a_fixed_lag_is_kept():
+    lag = Lag(fixed=5)
+    lag.observe(0)
+    assert lag.ahead() == 5
+
+
+def test_a_draft_ahead_still_offers_a_tree_after_the_server_commits_past_its_first():
+    drafter = PromptLookupDrafter()
+    context = TEXT[:45]
+    drafter.reset(context)
+    near = drafter.propose(context, 4)
+    deep = drafted_ahead(drafter, context, 4, 6, max_nodes=64, max_depth=64)
+    assert deep.prefix(len(near)) == near  # the usual tree first: nothing lost at lag 0
+    assert len(deep) <= 4 + 6 + 4
+    committed = TEXT[:51]  # the server went 6 tokens on while the draft travelled
+    assert reroot(near, len(context), committed) is None
+    rerooted = reroot(deep, len(context), committed)
+    assert rerooted is not None and rerooted.proposal.tree.best_path()[:3] == TEXT[51:54]
+
+
+def test_drafting_ahead_stays_within_the_servers_limits():
+    drafter = PromptLookupDrafter()
+    context = TEXT[:45]
+    drafter.reset(context)
+    assert drafted_ahead(drafter, context, 8, 0, 64, 64) == drafter.propose(context, 8)
+    capped = drafted_ahead(drafter, context, 8, 40, 10, 64)
+    assert len(capped) == 10
+    shallow = drafted_ahead(drafter, context, 8, 40, 64, drafter.max_depth + 2)
+    assert max(shallow.depths()) < drafter.max_depth + 2
