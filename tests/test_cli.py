@@ -32,7 +32,8 @@ def test_batch_with_missing_server_fails_cleanly(tmp_path):
 
 
 @pytest.mark.parametrize("args", [["--drafter", "nope"], ["--offline-policy", "hope"],
-                                  ["--offline-limit", "0"], ["--reconnect-timeout", "-1"]])
+                                  ["--offline-limit", "0"], ["--reconnect-timeout", "-1"],
+                                  ["--draft-ahead", "-1"], ["--draft-ahead", "some"]])
 def test_bad_arguments_exit_2(args):
     proc = subprocess.run(EDGE + ["--server", "x:1", *args, "hi"],
                           capture_output=True, text=True, timeout=30)
