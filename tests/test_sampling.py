@@ -127,3 +127,14 @@ def test_sample_and_race_winner_follow_p():
 def test_race_winner_on_one_hot_is_the_argmax():
     one_hot = np.array([0.0, 0.0, 1.0, 0.0])
     assert all(race_winner(one_hot, race_noise(3, t, 4)) == 2 for t in range(50))
+
+
+def test_a_subnormal_p_never_wins_the_race_and_warns_of_nothing():
+    """Found by the reliability benchmark's fuzzer: noise / 1e-310 overflows to inf, which is
+    the right arrival (never), but numpy warned on the server's stderr."""
+    import warnings
+
+    probs = np.array([1e-310, 0.0, 1.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert race_winner(probs, np.array([1.0, 1.0, 1.0])) == 2
