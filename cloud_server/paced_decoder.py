@@ -10,6 +10,7 @@ the model thread; knows nothing of gRPC.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
@@ -36,8 +37,11 @@ class PacedDecoder:
                   else reroot(draft.tree, draft.base_length, context, draft.q))
         if draft is None or client is None:
             own = self.own.propose(context)
-            verdict = self.session.advance(own, queued_at)
-            self.own.learn(context, own.tree, verdict, start)
+            # The Verdict names the client's accepted nodes only (none here): the edge counts
+            # what its drafts earned from it. The server's drafter learns from its own path.
+            verdict = self.session.advance(own, queued_at, client_nodes=0)
+            mine = replace(verdict, accepted_nodes=tuple(own.tree.walk(verdict.tokens[:-1])))
+            self.own.learn(context, own.tree, mine, start)
             return verdict
         tree = client.proposal.tree
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:

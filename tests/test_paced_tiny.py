@@ -56,3 +56,25 @@ def test_drafts_that_reach_ahead_keep_the_text_exact(tiny_server, tiny_target, a
             return [await client.generate(options.open_request(prompt_ids=p)) for p in PROMPTS]
     for prompt, result in zip(PROMPTS, asyncio.run(go())):
         assert result.output_ids == plain_greedy(tiny_target, prompt, MAX_NEW)
+
+
+def test_a_forward_without_a_client_draft_credits_the_client_with_nothing(tiny_target):
+    """The server's own lookup candidates get accepted, but a Verdict names only the client's
+    accepted nodes: the edge counts its drafts' share of the text from them."""
+    import time
+
+    from cloud_server.paced_decoder import PacedDecoder
+    from cloud_server.server_decoding import ServerDecoder, own_drafter
+    from cloud_server.session import Session
+    from shared.messages import Limits, OpenRequest
+
+    request = OpenRequest(prompt_ids=tuple(PROMPTS[1]), max_new_tokens=MAX_NEW)
+    session = Session(tiny_target, Limits(), request)
+    decoder = PacedDecoder(session, ServerDecoder(session, own_drafter("pld", Limits()), 0, ()),
+                           ())
+    session.prefill()
+    verdicts = []
+    while not session.finished:
+        verdicts.append(decoder.step(None, time.perf_counter()))
+    assert sum(len(v.tokens) for v in verdicts) > len(verdicts)  # lookups were accepted
+    assert all(v.accepted_nodes == () for v in verdicts)
