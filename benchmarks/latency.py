@@ -29,12 +29,12 @@ from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from shared.messages import ChatMessage, OpenRequest, Pace
 from netsim import PROFILES, NetworkConditions, Outage, OutageMode, ProxyThread
 
-# split methods: (pace, --draft-ahead); the "-near" ones draft from the newest committed
-# token alone, the ablation of edge_client/following.py's drafts that reach ahead
+# split methods: (pace, --draft-ahead); the "-ahead" ones reach past the measured lag
+# (edge_client/following.py), the others draft from the newest committed token, the default
 SPLIT_PACES: dict[str, tuple[Pace, int | None]] = {
-    "split-lockstep": (Pace.LOCKSTEP, None), "split-server": (Pace.SERVER, None),
-    "split-auto": (Pace.AUTO, None), "split-server-near": (Pace.SERVER, 0),
-    "split-auto-near": (Pace.AUTO, 0)}
+    "split-lockstep": (Pace.LOCKSTEP, 0), "split-server": (Pace.SERVER, 0),
+    "split-auto": (Pace.AUTO, 0), "split-server-ahead": (Pace.SERVER, None),
+    "split-auto-ahead": (Pace.AUTO, None)}
 METHODS = ("plain-api", "server-spec", "split-lockstep", "split-server", "split-auto")
 
 

@@ -83,11 +83,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lead", type=positive, default=None, metavar="N",
                    help="paced split: tokens the server may commit past what this client has "
                         "received (default: the server's, 32)")
-    p.add_argument("--draft-ahead", type=draft_ahead, default=None, metavar="auto|N",
-                   help="paced split: start each tree N tokens past the newest committed one, "
-                        "below the drafter's guess of the tokens the server commits while the "
-                        "draft travels; 'auto' (default): N measured from the drafts the "
-                        "server used; 0: off")
+    p.add_argument("--draft-ahead", type=draft_ahead, default=0, metavar="auto|N",
+                   help="paced split: also draft a tree N tokens past the newest committed "
+                        "one, below the drafter's guess of the tokens the server commits while "
+                        "the draft travels; 'auto': N measured from the drafts the server used; "
+                        "0 (default): off")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tls", action="store_true",

@@ -40,8 +40,9 @@ class ClientOptions:
     mode: Mode = Mode.SPLIT  # or a baseline the server runs alone (server_only.py)
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # paced sessions: tokens the server may run ahead; 0: the server's default
-    # Paced sessions: tokens past which drafts reach (edge_client/following.py); None: measured.
-    draft_ahead: int | None = None
+    # Paced sessions: tokens past which drafts reach (edge_client/following.py); None: the
+    # measured lag. Off by default: measured, it did not pay (README, "Pacing").
+    draft_ahead: int | None = 0
 
     def __post_init__(self) -> None:
         # The library's boundary: a caller may name the drafter as text ("pld").
