@@ -117,14 +117,14 @@ class SplitGeneration:
     def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
                  budget: TreeBudget, listener: Listener | None = None,
                  policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                 ahead: int | None = None):
+                 ahead: int | None = 0):
         self.link, self.drafter, self.request, self.budget = link, drafter, request, budget
         self.listener = listener or SilentListener()
         self.policy = policy
         self.limits = limits  # the server's: trees past them are refused
         # offline tokens verified per round
         self.max_chain = min(limits.max_tree_nodes, limits.max_tree_depth)
-        self.lag = Lag(ahead)  # paced sessions: how far ahead drafts reach (None: measured)
+        self.lag = Lag(ahead)  # paced sessions: how far drafts reach (None: measured; 0: off)
         self.result = GenerationResult()
         self.opened: Opened | None = None
         self.context: list[int] = []  # prompt + committed tokens
@@ -373,7 +373,7 @@ class SplitGeneration:
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
                          budget: TreeBudget, listener: Listener | None = None,
                          policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                         ahead: int | None = None) -> GenerationResult:
+                         ahead: int | None = 0) -> GenerationResult:
     """Runs one generation to its end (see SplitGeneration)."""
     return await SplitGeneration(link, drafter, request, budget, listener, policy, limits,
                                  ahead).run()
