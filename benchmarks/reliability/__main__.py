@@ -1,6 +1,6 @@
 """python -m benchmarks.reliability: every part in one run, one report and one plot.
 
-    python -m benchmarks.reliability --fuzz-cases 10000 --storm-prompts 80 --restarts 21 \\
+    python -m benchmarks.reliability --fuzz-cases 10000 --storm-prompts 72 --restarts 21 \\
         --soak-clients 16 --soak-minutes 10
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--parts", default=",".join(PARTS), help="which parts, comma-separated")
     p.add_argument("--fuzz-cases", type=int, default=10_000,
                    help="Decode calls to fuzz, half message sequences, half mutated bytes")
-    p.add_argument("--storm-prompts", type=int, default=80)
+    p.add_argument("--storm-prompts", type=int, default=72)
     p.add_argument("--storm-profiles", default="4g,4g-lossy")
     p.add_argument("--storm-concurrency", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -79,7 +79,7 @@ def storm_section(rows: list[list[object]], args: argparse.Namespace
 
 def restart_section(rows: list[list[object]], args: argparse.Namespace
                     ) -> tuple[list[list[object]], str]:
-    done = [r for r in rows if r[2] != "-"]
+    done = [r for r in rows if r[-1] != restarts.ENDED_BEFORE]  # a failed restart counts
     same = sum(r[-1] == "yes" for r in done)
     summary = [["restarts survived", f"{same}/{len(done)} with the same text "
                 f"({'; '.join(k[0] for k in restarts.KINDS)} in turn, {args.profile}, "

@@ -38,7 +38,8 @@ def run_fuzz(cases: int) -> dict[str, object]:
             time.sleep(IDLE_TIMEOUT_S + 3)  # the orphans' idle timeout, and the reaper's round
             end = server_metrics(port)
     return {"tallies": tallies, "failure": failure,
-            "healthy": len(healthy), "healthy refused": refused, "healthy exact": all(o == expected for o in healthy),
+            "healthy": len(healthy), "healthy refused": refused,
+            "healthy exact": all(o == expected for o in healthy),
             "internal errors": end.get("splitdec_requests_refused_total{code=internal}", 0.0),
             "sessions left": end["splitdec_sessions_open"],
             "restarted": end["process_start_time_seconds"] != started}

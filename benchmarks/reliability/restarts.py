@@ -22,6 +22,7 @@ KINDS = (("killed", signal.SIGKILL, 0.0), ("drained", signal.SIGTERM, 0.0),
 HEADER = ["prompt", "restart", "killed s into the answer", "server back after s", "reconnects",
           "answer s", "same text"]
 ANSWER_TIMEOUT_S = 600
+ENDED_BEFORE = "answer ended before the restart"  # not a restart: left out of the count
 
 
 def run_restarts(address: str, count: int, tokens: int, profile: str) -> list[list[object]]:
@@ -66,13 +67,13 @@ def restart_once(item: dict, kind: tuple, clean: list[int], tokens: int, profile
     name, stop, down_s = kind
     port, metrics = free_port(), free_port()
     server = server_process(port, "--metrics-port", str(metrics))
+    edge, out = edge_run(port, item, tokens, profile, workdir)
     try:
-        edge, out = edge_run(port, item, tokens, profile, workdir)
         wait_for_session(metrics, edge)
         opened = time.monotonic()
         time.sleep(rng.uniform(0.5, 2.5))  # mid-answer
         if edge.poll() is not None:
-            return [item["id"], name, "-", "-", "-", "-", "answer ended before the restart"]
+            return [item["id"], name, "-", "-", "-", "-", ENDED_BEFORE]
         killed = time.monotonic()
         server.send_signal(stop)
         server.wait(60)
@@ -87,5 +88,7 @@ def restart_once(item: dict, kind: tuple, clean: list[int], tokens: int, profile
                 record["reconnects"], f"{record['wall_s']:.1f}",
                 "yes" if record["output_ids"] == clean else "NO"]
     finally:
+        if edge.poll() is None:  # it timed out, or the benchmark broke off
+            edge.kill()
         server.send_signal(signal.SIGTERM)
         server.wait(60)
