@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import sys
 
+from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.pacing import PacingPolicy
 from cloud_server.device import Device
 from shared import progress
@@ -38,6 +39,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="KV cache all sessions may hold together, each counted at the most it "
                         "can grow to (prompt + new tokens + a tree); past it a new session is "
                         "refused RESOURCE_EXHAUSTED. 0 (default): only --max-sessions limits")
+    p.add_argument("--batch-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help="the most new tokens one forward pass runs for the sessions ready "
+                        "together (batched verification); 0: one session per forward "
+                        "(default %(default)s)")
     p.add_argument("--idle-timeout", type=int, default=defaults.session_idle_timeout_s,
                    help="seconds a session may stay silent before it is closed")
     p.add_argument("--drafter-dir", default="default", metavar="DIR",
@@ -75,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not 1 <= args.lead <= args.max_lead:
         p.error(f"--lead must be between 1 and --max-lead ({args.max_lead})")
+    if args.batch_tokens < 0:
+        p.error("--batch-tokens must be 0 (no batching) or more")
     return args
 
 
@@ -132,7 +139,7 @@ def run(argv: list[str]) -> int:
         target = model_thread.call(TargetModel.load, path, model_id, Device(args.device),
                                    onednn=args.cpu_linear == "onednn")
         service = build_service(target, limits_from(args), model_thread, drafter_dir,
-                                pacing_from(args), args.kv_budget_mb * 2**20)
+                                pacing_from(args), args.kv_budget_mb * 2**20, args.batch_tokens)
         print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)

@@ -26,8 +26,17 @@ class Metrics:
                                        ["how"], registry=r)
         self.refused = Counter("splitdec_requests_refused", "calls refused, by gRPC status",
                                ["code"], registry=r)
-        self.forwards = Counter("splitdec_forwards", "target forwards (prefills, tree "
-                                "verifications, decoding steps)", registry=r)
+        self.forwards = Counter("splitdec_forwards", "session forwards (prefills, tree "
+                                "verifications, decoding steps), batched or not", registry=r)
+        self.model_forwards = Counter("splitdec_model_forwards", "forward passes of the "
+                                      "target (one may serve several sessions)", registry=r)
+        self.batch_sessions = Histogram("splitdec_batch_sessions", "sessions per forward pass",
+                                        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=r)
+        self.batch_tokens = Histogram("splitdec_batch_tokens", "new tokens per forward pass",
+                                      buckets=(1, 4, 16, 32, 64, 128, 256, 512, 1024),
+                                      registry=r)
+        self.forward_ms = Histogram("splitdec_forward_ms", "time of one forward pass (ms)",
+                                    buckets=MS_BUCKETS, registry=r)
         self.tokens = Counter("splitdec_tokens_generated", "tokens committed", registry=r)
         self.accepted = Histogram("splitdec_accepted_draft_tokens", "draft tokens accepted "
                                   "per forward", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32),
@@ -52,6 +61,13 @@ class Metrics:
             self.accepted_depth.labels(str(depth)).inc()
         self.verify_ms.observe(msg.verify_ms)
         self.queue_ms.observe(msg.queue_ms)
+
+    def forwarded(self, sessions: int, tokens: int, seconds: float) -> None:
+        """One forward pass of the target ran `sessions` sessions' `tokens` new tokens."""
+        self.model_forwards.inc()
+        self.batch_sessions.observe(sessions)
+        self.batch_tokens.observe(tokens)
+        self.forward_ms.observe(1000 * seconds)
 
     def serve(self, host: str, port: int) -> int:
         """Serves /metrics over HTTP from a daemon thread; returns the bound port."""

@@ -17,18 +17,13 @@ T = TypeVar("T")
 class ModelThread:
     def __init__(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-        self.pending = 0  # run() calls submitted and not finished: > 0 means the model is busy
 
     def call(self, fn: Callable[..., T], *args, **kwargs) -> T:
         """Runs `fn` on the model thread and waits (startup, outside the event loop)."""
         return self._executor.submit(fn, *args, **kwargs).result()
 
     async def run(self, fn: Callable[..., T], *args) -> T:
-        self.pending += 1  # only the event loop's thread counts, so no lock is needed
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        finally:
-            self.pending -= 1
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

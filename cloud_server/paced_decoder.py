@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
+from cloud_server.target import Work
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.drafting.budget import TreeBudget
@@ -30,7 +31,7 @@ class PacedDecoder:
         # they are accepted, and on a CPU server a tree costs clearly more than one token.
         self._budget = TreeBudget(verify_costs, session.limits.max_tree_nodes)
 
-    def step(self, draft: DraftRequest | None, queued_at: float) -> Verdict:
+    def stepping(self, draft: DraftRequest | None, queued_at: float) -> Work[Verdict]:
         start = time.perf_counter()
         context = list(self.session.committed)
         client = (None if draft is None
@@ -39,7 +40,7 @@ class PacedDecoder:
             own = self.own.propose(context)
             # The Verdict names the client's accepted nodes only (none here): the edge counts
             # what its drafts earned from it. The server's drafter learns from its own path.
-            verdict = self.session.advance(own, queued_at, client_nodes=0)
+            verdict = yield from self.session.advancing(own, queued_at, client_nodes=0)
             mine = replace(verdict, accepted_nodes=tuple(own.tree.walk(verdict.tokens[:-1])))
             self.own.learn(context, own.tree, mine, start)
             return verdict
@@ -47,9 +48,10 @@ class PacedDecoder:
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
             # Any tree is lossless under these rules; a sampled one must stay as drawn.
             tree = tree.merged(self.own.propose(context).tree, self.session.limits.max_tree_nodes)
-            tree = tree.prefix(self._budget.nodes())
-        verdict = self.session.advance(Proposal(tree, client.proposal.q), queued_at,
-                                       draft.round_id, min(len(client.proposal.tree), len(tree)))
+            tree = tree.prefix(self._budget.nodes(self.own.load()))
+        verdict = yield from self.session.advancing(
+            Proposal(tree, client.proposal.q), queued_at, draft.round_id,
+            min(len(client.proposal.tree), len(tree)))
         self._budget.observe(len(tree), tree.walk(verdict.tokens[:-1]), verdict.verify_ms,
                              verdict.verify_ms)
         return verdict

@@ -8,6 +8,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_server.artifacts import ArtifactStore
+from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.calibrate import measure_verify_costs
 from cloud_server.health_check import SERVICE_NAME
 from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
@@ -34,7 +35,8 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
 
 def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread | None = None,
                   drafter_dir: Path | None = None, pacing: PacingPolicy = PacingPolicy(),
-                  kv_budget_bytes: int = 0) -> SplitDecodingService:
+                  kv_budget_bytes: int = 0, batch_tokens: int = DEFAULT_MAX_TOKENS
+                  ) -> SplitDecodingService:
     """Measures the verify costs Info reports, loads the MoA drafter when there is one, then
     builds the service. `model_thread` should be the thread that loaded `target` (see
     model_thread.py)."""
@@ -50,8 +52,12 @@ def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread
         artifacts.add(BUNDLE_ARTIFACT, ArtifactKind.DRAFTER_BUNDLE, drafter.bundle)
         print(f"drafter bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
               f"{drafter.width}", file=sys.stderr, flush=True)
+    if batch_tokens and not target.batchable:
+        print(f"{target.model_id} cannot batch sessions (its attention does not go through "
+              "transformers' attention interface): one session per forward", file=sys.stderr,
+              flush=True)
     return SplitDecodingService(target, limits, artifacts, model_thread, costs, drafter,
-                                pacing, kv_budget_bytes)
+                                pacing, kv_budget_bytes, batch_tokens)
 
 
 async def start(service: SplitDecodingService, host: str, port: int,

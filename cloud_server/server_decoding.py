@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 from cloud_server.session import ActivationSource, Session
-from cloud_server.target import TargetModel
-from shared.drafting.budget import TreeBudget
+from cloud_server.target import TargetModel, Work
+from shared.drafting.budget import ALONE, Load, TreeBudget
 from shared.drafting import DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName
 from shared.acceptance import AcceptanceMode
@@ -41,7 +42,9 @@ class ServerDecoder:
     activations from each Verdict, as the client feeds it)."""
 
     def __init__(self, session: Session, drafter: Drafter | None, tree_nodes: int,
-                 verify_costs: tuple[tuple[int, float], ...]):
+                 verify_costs: tuple[tuple[int, float], ...],
+                 load: Callable[[], Load] = lambda: ALONE):
+        """`load`: what the server's last forward ran, which sizes trees under batching."""
         limits = session.limits
         if tree_nodes > limits.max_tree_nodes:
             raise InvalidRequest(f"tree_nodes {tree_nodes} is over the server's limit "
@@ -50,20 +53,21 @@ class ServerDecoder:
         self._drafter = drafter
         self._budget = TreeBudget(verify_costs, limits.max_tree_nodes, fixed=tree_nodes or None)
         self.draft_s = 0.0  # time spent proposing
+        self.load = load
         if self._drafter is not None:
             self._drafter.reset(session.committed)
 
-    def prefill(self) -> Verdict:
-        verdict = self.session.prefill()
+    def prefilling(self) -> Work[Verdict]:
+        verdict = yield from self.session.prefilling()
         self._feed(verdict)
         return verdict
 
-    def step(self) -> Verdict:
+    def stepping(self) -> Work[Verdict]:
         """One target forward: a plain decoding step, or one drafted tree verified."""
         start = time.perf_counter()
         context = list(self.session.committed)
         proposal = self.propose(context)
-        verdict = self.session.advance(proposal)
+        verdict = yield from self.session.advancing(proposal)
         self.learn(context, proposal.tree, verdict, start)
         return verdict
 
@@ -72,7 +76,7 @@ class ServerDecoder:
         if self._drafter is None:
             return Proposal(PLAIN)
         start = time.perf_counter()
-        nodes = self._budget.nodes()
+        nodes = self._budget.nodes(self.load())
         if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
             proposal = Proposal(self._drafter.propose(context, nodes))
         else:
@@ -114,7 +118,7 @@ def decode_in_process(target: TargetModel, request: OpenRequest, drafter: Drafte
         request = replace(request, activations=ActivationFormat.FP16)
     session = Session(target, limits, request, activations)
     decoder = ServerDecoder(session, drafter, tree_nodes, ())
-    verdicts = [decoder.prefill()]
+    verdicts = [target.drive(decoder.prefilling())]
     while not session.finished:
-        verdicts.append(decoder.step())
+        verdicts.append(target.drive(decoder.stepping()))
     return InProcessRun(tuple(verdicts), decoder.draft_s)

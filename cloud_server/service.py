@@ -1,8 +1,8 @@
 """The gRPC boundary: protobuf in, domain calls on the model thread, protobuf out.
 
-Model work never runs on the event loop: it runs on the model thread (model_thread.py), so
-forward passes of different sessions queue there and each session keeps its own KV cache. Domain errors become
-gRPC status codes here and nowhere else.
+Model work never runs on the event loop: it runs on the model thread (model_thread.py), where
+the forwards of sessions ready at the same time run as one batch (batching.py), each session
+keeping its own KV cache. Domain errors become gRPC status codes here and nowhere else.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from cloud_server.artifacts import ArtifactStore
+from cloud_server.batching import DEFAULT_MAX_TOKENS, Batcher
 from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.metrics import Metrics
 from cloud_server.model_thread import ModelThread
@@ -28,6 +29,7 @@ from cloud_server.session import Session
 from cloud_server.session_table import SessionTable
 from cloud_server.target import TargetModel
 from shared import wire
+from shared.drafting.budget import Load
 from shared.errors import (
     InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
 )
@@ -123,7 +125,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore,
                  model_thread: ModelThread, verify_costs: tuple[tuple[int, float], ...] = (),
                  drafter: ServedDrafter | None = None, pacing: PacingPolicy = PacingPolicy(),
-                 kv_budget_bytes: int = 0):
+                 kv_budget_bytes: int = 0, batch_tokens: int = DEFAULT_MAX_TOKENS):
         self.target = target
         self.pacing = pacing
         self.drafter = drafter
@@ -135,6 +137,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self._reaper: asyncio.Task | None = None
         self.metrics = Metrics()
         self.metrics.sessions_open.set_function(lambda: len(self.sessions))
+        self.batcher = Batcher(model_thread, target, batch_tokens, self.metrics.forwarded)
 
     def info(self) -> ServerInfo:
         return ServerInfo(
@@ -172,7 +175,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         session, resumed = await self._attach(opening, owner)
         try:
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
-                     else await self._on_model(session.prefill))
+                     else await self.batcher.run(session.prefilling()))
             await self._send(context, session.opened(resumed))
             await self._send(context, first)
             serve = self._serve_rounds if session.pace is Pace.LOCKSTEP else self._serve_paced
@@ -238,16 +241,16 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         as they come; then Done. Returns as _serve_rounds does."""
         inbox = Inbox(len(session.committed))
         own = ServerDecoder(session, own_drafter(self.pacing.drafter, self.limits), 0,
-                            self.verify_costs)
+                            self.verify_costs, self._load)
         decoder = PacedDecoder(session, own, self.verify_costs)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox))
         try:
             await run_paced(lambda: len(session.committed), lambda: session.finished, inbox,
-                            lambda draft, queued_at: self._on_model(decoder.step, draft,
-                                                                    queued_at),
+                            lambda draft, queued_at: self.batcher.run(
+                                decoder.stepping(draft, queued_at)),
                             lambda verdict: self._send(context, verdict), session.pace,
                             session.lead,
-                            lambda: self.pacing.load_wait and self._model_thread.pending > 0)
+                            lambda: self.pacing.load_wait and self.batcher.pending > 0)
             if not session.finished and await reader is _Ended.GONE:
                 return False
             await self._send(context, session.done())
@@ -290,17 +293,20 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         session = await self._new_session(req.open, owner)
         try:
             decoder = ServerDecoder(session, own_drafter(req.drafter, self.limits), req.tree_nodes,
-                                    self.verify_costs)
+                                    self.verify_costs, self._load)
             await self._send(context, session.opened())
-            await self._send(context, await self._on_model(decoder.prefill))
+            await self._send(context, await self.batcher.run(decoder.prefilling()))
             while not session.finished:
-                await self._send(context, await self._on_model(decoder.step))
+                await self._send(context, await self.batcher.run(decoder.stepping()))
             await self._send(context, session.done())
         finally:
             self.sessions.release(session, owner)
 
+    def _load(self) -> Load:
+        return self.batcher.last
+
     async def _verify(self, session: Session, draft: DraftRequest) -> Verdict:
-        return await self._on_model(session.verify, draft, time.perf_counter())
+        return await self.batcher.run(session.verify(draft, time.perf_counter()))
 
     async def _send(self, context, msg: ServerMessage) -> None:
         # Half the message limit for the activations leaves room for the rest of a Verdict.

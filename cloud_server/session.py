@@ -10,15 +10,13 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from contextlib import nullcontext
-from typing import ContextManager, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
-from cloud_server.layer_outputs import LayerOutputs
-from cloud_server.target import TargetModel, keep_path
+from cloud_server.target import TargetModel, Work, keep_path
 from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
     accept_topk_drafts,
@@ -172,11 +170,15 @@ class Session:
                       self.lead)
 
     def prefill(self) -> Verdict:
+        return self.target.drive(self.prefilling())
+
+    def prefilling(self) -> Work[Verdict]:
         """Round 0: runs the prompt (and a resumed history) and commits the target's next token."""
         start = time.perf_counter()
-        with self._capture() as captured:
-            self._cache, logits = self.target.prefill(self.committed)
-        self._keep_rows(0, captured, None)
+        self._cache = self.target.new_cache()
+        logits, hidden = yield from self.target.prefill_jobs(self._cache, self.committed,
+                                                             self._captured_layers())
+        self._keep_rows(0, hidden)
         empty = DraftTree((), ())
         acceptance = self._accept(empty, logits[None], self._q_rows(empty, ()))
         return self._verdict((), self._commit(acceptance.tokens), 0, start)
@@ -192,16 +194,21 @@ class Session:
         return self._verdict((), tuple(held[len(edge):]), len(self.prompt_ids) + len(edge) - 1,
                              time.perf_counter())
 
-    def verify(self, draft: DraftRequest, queued_at: float | None = None) -> Verdict:
+    def verify(self, draft: DraftRequest, queued_at: float | None = None) -> Work[Verdict]:
         """One round: checks the tree against the target and commits what it agrees with.
         `queued_at` (perf_counter) is when the request started waiting for the model."""
         self._check_order(draft)
         draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
                             self.limits.max_tree_depth)
-        return self.advance(Proposal(draft.tree, draft.q), queued_at, draft.round_id)
+        return (yield from self.advancing(Proposal(draft.tree, draft.q), queued_at,
+                                          draft.round_id))
 
     def advance(self, proposal: Proposal, queued_at: float | None = None, draft_id: int = 0,
                 client_nodes: int | None = None) -> Verdict:
+        return self.target.drive(self.advancing(proposal, queued_at, draft_id, client_nodes))
+
+    def advancing(self, proposal: Proposal, queued_at: float | None = None, draft_id: int = 0,
+                  client_nodes: int | None = None) -> Work[Verdict]:
         """Verifies a tree (a client's, validated; or the server's own; empty: a plain decoding
         step), with the q its drafts were sampled from under acceptance sampled-drafts. The
         tree's first `client_nodes` nodes (all when None) come from client draft `draft_id`;
@@ -210,12 +217,13 @@ class Session:
         q_rows = self._q_rows(tree, proposal.q)
         start = time.perf_counter()
         base = len(self.committed) - 1
-        with self._capture() as captured:
-            logits = self.target.forward_tree(self._kv, self.committed[-1], tree)
+        job = self.target.tree_job(self._kv, self.committed[-1], tree, self._captured_layers())
+        yield job
         self.rounds += 1
-        acceptance = self._accept(tree, logits, q_rows)
+        acceptance = self._accept(tree, job.logits, q_rows)
         keep_path(self._kv, base, acceptance.accepted_nodes)
-        self._keep_rows(base, captured, (0, *(1 + i for i in acceptance.accepted_nodes)))
+        kept = [0, *(1 + i for i in acceptance.accepted_nodes)]  # the inputs left in the cache
+        self._keep_rows(base, None if job.hidden is None else job.hidden[kept])
         tokens = self._commit(acceptance.tokens)
         limit = len(tree) if client_nodes is None else client_nodes
         accepted = tuple(i for i in acceptance.accepted_nodes[: len(tokens)] if i < limit)
@@ -233,26 +241,20 @@ class Session:
             queue_ms=0.0 if queued_at is None else 1000 * (start - queued_at),
             verify_ms=1000 * (time.perf_counter() - start), draft_id=draft_id)
 
-    def _capture(self) -> ContextManager[LayerOutputs | None]:
-        """Captures the layer outputs the activation source reads during a forward, if any."""
+    def _captured_layers(self) -> tuple[int, ...]:
+        """The target layers whose outputs the activation source reads, if it needs any."""
         source = self._activation_source
-        if source is None or self._activation_format is None or not source.hidden_layers:
-            return nullcontext(None)
-        return LayerOutputs(self.target.model, source.hidden_layers)
+        if source is None or self._activation_format is None:
+            return ()
+        return source.hidden_layers
 
-    def _keep_rows(self, start: int, captured: LayerOutputs | None,
-                   forwarded: tuple[int, ...] | None) -> None:
+    def _keep_rows(self, start: int, hidden: torch.Tensor | None) -> None:
         """Computes the activation rows of cache positions start.. after a forward and keeps
-        them with the committed text's; `forwarded` picks the forward's inputs that stayed in
-        the cache (the pending token and the accepted nodes), None all of them."""
+        them with the committed text's; `hidden` [cached positions from start, L, width]: their
+        captured layer outputs, if the source reads any."""
         source = self._activation_source
         if source is None or self._activation_format is None:
             return
-        hidden = None
-        if captured is not None:
-            hidden = captured.stacked()[0]  # [forwarded inputs, L, width]
-            if forwarded is not None:
-                hidden = hidden[list(forwarded)]
         end = self._kv.get_seq_length()
         rows = source(self._kv, start, end, hidden)  # [end - start, width]
         kept = self._rows[:start] if len(self._rows) else rows[:0]

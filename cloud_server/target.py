@@ -4,10 +4,16 @@ Knows nothing of sessions, acceptance rules or gRPC. A draft tree is verified in
 pass: the pending token (committed but not yet in the cache) followed by the tree's nodes, under
 a 4D ancestor mask with positions = base + depth (docs/architecture.md, Verification; SpecInfer, Miao et al. 2024,
 section 4.2). Works for any transformers causal LM whose cache is a DynamicCache of full layers.
+
+Model work is written as `Work`: a generator that yields the `ForwardJob`s it needs and returns
+its result, so that the forwards of several sessions can run as one (`run`, ragged.py) while
+each session's logic stays sequential. `drive` runs one piece of work alone.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Generator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -15,11 +21,40 @@ from transformers import (
     AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase,
 )
 
+from cloud_server import ragged
 from cloud_server.cpu_kernels import use_onednn_linear
 from cloud_server.device import Device
+from cloud_server.layer_outputs import LayerOutputs
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
 from shared.tree import DraftTree
+
+
+T = TypeVar("T")
+PREFILL_CHUNK = 256  # prompt tokens per forward: a long prompt does not hold a batch up
+
+
+@dataclass
+class ForwardJob:
+    """One session's share of a forward: `ids` appended to `cache` at `positions`.
+
+    `allowed` [len(ids), cached + len(ids)] says what each new token attends to (None: causal,
+    a prompt chunk); `rows` are the new tokens whose logits are wanted; `capture` the decoder
+    layers whose outputs to keep. `run` fills `logits` [len(rows), vocab] and, when asked,
+    `hidden` [len(ids), len(capture), width].
+    """
+
+    cache: DynamicCache
+    ids: tuple[int, ...]
+    positions: np.ndarray
+    allowed: np.ndarray | None
+    rows: range
+    capture: tuple[int, ...] = ()
+    logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    hidden: torch.Tensor | None = None
+
+
+Work = Generator[ForwardJob, None, T]
 
 
 def pick_device(device: Device) -> torch.device:
@@ -36,6 +71,7 @@ class TargetModel:
     tokenizer: PreTrainedTokenizerBase
     model_id: str
     device: torch.device
+    batchable: bool = False  # several sessions' jobs can share a forward (ragged.py)
 
     @classmethod
     def load(cls, path: str, model_id: str, device: Device | str = Device.AUTO,
@@ -51,7 +87,7 @@ class TargetModel:
         if onednn and dev.type == "cpu":
             use_onednn_linear(model)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, model_id, dev)
+        return cls(model, tokenizer, model_id, dev, ragged.install(model))
 
     @property
     def vocab_size(self) -> int:
@@ -92,39 +128,103 @@ class TargetModel:
             add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
-    @torch.inference_mode()
-    def prefill(self, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-        """Runs the prompt; returns its cache and the logits after the last token: [vocab]."""
-        cache = DynamicCache(config=self.model.config)
-        ids = torch.tensor([prompt_ids], device=self.device)  # [1, n]
-        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return cache, out.logits[0, -1].float()
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.model.config)
 
-    @torch.inference_mode()
-    def forward_tree(self, cache: DynamicCache, pending: int, tree: DraftTree) -> torch.Tensor:
-        """Appends [pending] + tree to the cache; returns logits: [1 + n, vocab].
+    def prefill_jobs(self, cache: DynamicCache, ids: Sequence[int], capture: tuple[int, ...] = ()
+                     ) -> Work[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Appends `ids` to `cache` in chunks of PREFILL_CHUNK; returns the logits after the
+        last one [vocab] and, when asked, the captured layer outputs [len(ids), L, width]."""
+        if not ids:
+            raise ValueError("nothing to prefill")
+        hidden = []
+        for start in range(0, len(ids), PREFILL_CHUNK):
+            chunk = tuple(ids[start: start + PREFILL_CHUNK])
+            last = start + len(chunk) == len(ids)
+            job = ForwardJob(cache, chunk, cache.get_seq_length() + np.arange(len(chunk)), None,
+                             range(len(chunk) - 1, len(chunk)) if last else range(0), capture)
+            yield job
+            if job.hidden is not None:
+                hidden.append(job.hidden)
+        return job.logits[-1], torch.cat(hidden) if hidden else None
 
-        Row 0 is the target after the committed text, row i + 1 after draft node i.
-        """
+    def tree_job(self, cache: DynamicCache, pending: int, tree: DraftTree,
+                 capture: tuple[int, ...] = ()) -> ForwardJob:
+        """[pending] + tree appended to the cache; row 0 of its logits is the target after the
+        committed text, row i + 1 after draft node i."""
         base = cache.get_seq_length()
-        ids = torch.tensor([(pending, *tree.tokens)], device=self.device)  # [1, 1 + n]
-        positions = base + np.concatenate(([0], 1 + tree.depths()))  # [1 + n]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self._tree_mask(base, tree),
-            position_ids=torch.as_tensor(positions, device=self.device)[None],
-            past_key_values=cache,
-            use_cache=True,
-        )
-        return out.logits[0].float()
-
-    def _tree_mask(self, base: int, tree: DraftTree) -> torch.Tensor:
-        """Additive mask: [1, 1, 1 + n, base + 1 + n]; every row sees the cache and the pending
-        token, a node sees itself and its ancestors only."""
         n = len(tree)
         allowed = np.zeros((1 + n, base + 1 + n), dtype=bool)
         allowed[:, : base + 1] = True
         allowed[1:, base + 1:] = tree.ancestor_mask()
+        positions = base + np.concatenate(([0], 1 + tree.depths()))
+        return ForwardJob(cache, (pending, *tree.tokens), positions, allowed, range(1 + n),
+                          capture)
+
+    def drive(self, work: Work[T]) -> T:
+        """Runs `work` with forwards of its own."""
+        try:
+            while True:
+                self.run([next(work)])
+        except StopIteration as done:
+            return done.value
+
+    def prefill(self, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
+        """Runs the prompt; returns its cache and the logits after the last token: [vocab]."""
+        cache = self.new_cache()
+        return cache, self.drive(self.prefill_jobs(cache, prompt_ids))[0]
+
+    def forward_tree(self, cache: DynamicCache, pending: int, tree: DraftTree) -> torch.Tensor:
+        """Appends [pending] + tree to the cache; returns logits: [1 + n, vocab]."""
+        job = self.tree_job(cache, pending, tree)
+        self.run([job])
+        return job.logits
+
+    @torch.inference_mode()
+    def run(self, jobs: Sequence[ForwardJob]) -> None:
+        """One forward for all `jobs` (ragged when there are several); fills their results."""
+        if len(jobs) > 1 and not self.batchable:
+            raise RuntimeError(f"{self.model_id} cannot run several sessions in one forward")
+        layers = next((job.capture for job in jobs if job.capture), ())
+        offsets = np.cumsum([0] + [len(job.ids) for job in jobs])
+        keep = np.concatenate([start + np.array(job.rows, dtype=np.int64)
+                               for start, job in zip(offsets, jobs)])
+        with LayerOutputs(self.model, layers) if layers else nullcontext() as captured:
+            cache, mask = self._cache_and_mask(jobs)
+            out = self.model(
+                input_ids=torch.tensor([[t for job in jobs for t in job.ids]],
+                                       device=self.device),
+                attention_mask=mask,
+                position_ids=torch.as_tensor(np.concatenate([job.positions for job in jobs]),
+                                             device=self.device)[None],
+                past_key_values=cache, use_cache=True,
+                logits_to_keep=torch.as_tensor(keep, device=self.device))
+        logits = out.logits[0].float().split([len(job.rows) for job in jobs])
+        hidden = None if captured is None else captured.stacked()[0].split(
+            [len(job.ids) for job in jobs])
+        for i, job in enumerate(jobs):
+            job.logits = logits[i]
+            job.hidden = hidden[i] if hidden is not None and job.capture else None
+
+    def _cache_and_mask(self, jobs: Sequence[ForwardJob]
+                        ) -> tuple[DynamicCache | ragged.RaggedCache, torch.Tensor | None]:
+        if len(jobs) == 1:  # the model's own path: a prompt chunk gets its causal mask there
+            job = jobs[0]
+            return job.cache, None if job.allowed is None else self._additive(job.allowed)
+        masks = [self._additive(self._allowed(job)) for job in jobs]
+        return (ragged.RaggedCache([job.cache for job in jobs], [len(job.ids) for job in jobs],
+                                   masks),
+                ragged.PLACEHOLDER_MASK.to(self.device))
+
+    @staticmethod
+    def _allowed(job: ForwardJob) -> np.ndarray:
+        if job.allowed is not None:
+            return job.allowed
+        new, cached = len(job.ids), job.cache.get_seq_length()
+        return np.tri(new, cached + new, cached, dtype=bool)
+
+    def _additive(self, allowed: np.ndarray) -> torch.Tensor:
+        """The additive form of a boolean mask: [1, 1, new, cached + new]."""
         dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
         mask.masked_fill_(torch.from_numpy(~allowed).to(self.device), torch.finfo(dtype).min)

@@ -1,7 +1,7 @@
 """The tree budget follows the measured costs and the measured acceptance."""
 from __future__ import annotations
 
-from shared.drafting.budget import TreeBudget
+from shared.drafting.budget import Load, TreeBudget
 
 CPU_COSTS = [(1, 33.0), (8, 37.0), (16, 43.0), (32, 57.0), (64, 90.0)]
 
@@ -32,6 +32,18 @@ def test_slow_link_buys_bigger_trees():
             b.observe(64, tuple(r for r in range(64) if i % (2 + 2 * r) == 0), round_ms, 39.0)
         return b.nodes()
     assert budget_for(round_ms=300.0) > budget_for(round_ms=40.0)
+
+
+def test_trees_shrink_when_they_share_a_forward_with_other_sessions():
+    """Batched, a node costs every session in the forward its time: it must be worth the whole
+    forward's tokens per ms, not just its own tree's."""
+    b = TreeBudget(CPU_COSTS, 64)
+    for i in range(300):  # falling acceptance rates, as in a real drafter's trees
+        b.observe(64, tuple(r for r in range(64) if i % (2 + 2 * r) == 0), 39.0, 39.0)
+    alone = b.nodes()
+    assert b.nodes(Load(sessions=1, tokens=1 + alone)) == alone  # alone in its forward
+    crowded = [b.nodes(Load(sessions=s, tokens=s * (1 + alone))) for s in (2, 8)]
+    assert alone > crowded[0] > crowded[1] >= 1
 
 
 def test_untried_ranks_keep_their_prior_so_the_budget_can_grow():

@@ -75,6 +75,6 @@ def test_a_forward_without_a_client_draft_credits_the_client_with_nothing(tiny_t
     session.prefill()
     verdicts = []
     while not session.finished:
-        verdicts.append(decoder.step(None, time.perf_counter()))
+        verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter())))
     assert sum(len(v.tokens) for v in verdicts) > len(verdicts)  # lookups were accepted
     assert all(v.accepted_nodes == () for v in verdicts)

@@ -71,26 +71,6 @@ def test_under_load_auto_waits_longer_for_drafts_that_pay():
     assert auto.wait_s(10, now=0.0, busy=True) == 0.0
 
 
-def test_model_thread_counts_the_work_queued_on_it():
-    import threading
-
-    from cloud_server.model_thread import ModelThread
-
-    thread, release = ModelThread(), threading.Event()
-
-    async def go() -> list[int]:
-        calls = [asyncio.ensure_future(thread.run(release.wait)) for _ in range(2)]
-        await asyncio.sleep(0.05)
-        seen = [thread.pending]
-        release.set()
-        await asyncio.gather(*calls)
-        return seen + [thread.pending]
-    try:
-        assert asyncio.run(go()) == [2, 0]
-    finally:
-        thread.shutdown()
-
-
 def test_auto_learns_what_fresh_drafts_are_worth():
     auto = AutoPace()
     for _ in range(30):

@@ -9,12 +9,25 @@ from measured costs the same way; docs/performance.md.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 MEMORY = 0.97  # per-round decay of acceptance statistics: about the last 30 rounds count
 PRIOR_WEIGHT = 1.0  # pseudo-rounds of the prior, never decayed: untried ranks keep their prior
+
+
+@dataclass(frozen=True)
+class Load:
+    """The last forward pass on the server: the sessions it ran and their new tokens together
+    (batched verification, cloud_server/batching.py)."""
+
+    sessions: int = 1
+    tokens: int = 0
+
+
+ALONE = Load()
 
 
 def prior_rates(max_nodes: int) -> np.ndarray:
@@ -37,17 +50,39 @@ class TreeBudget:
         self._offered = np.zeros(max_nodes)  # decayed count of rounds that sent rank i
         self._hits = np.zeros(max_nodes)  # ... in which rank i was accepted
         self._other_ms = 0.0  # a round's time beyond verification, smoothed
+        self._tokens = 1 + nodes  # [max_nodes]: a tree of i + 1 nodes forwards i + 2 tokens
+        self._last = 1  # the size chosen last
 
     def acceptance(self) -> np.ndarray:
         """a: [max_nodes], the estimated rate at which each rank is accepted."""
         return ((self._hits + PRIOR_WEIGHT * self._prior)
                 / (self._offered + PRIOR_WEIGHT))
 
-    def nodes(self) -> int:
+    def nodes(self, load: Load = ALONE) -> int:
+        """The size with the most tokens per ms. Alone, a tree's own; in a batched forward,
+        the whole forward's: every node a tree adds slows the other sessions' step as much as
+        its own, so under load a node must be worth the tokens the forward commits per ms of
+        it, and trees shrink instead of crowding the others out."""
         if self.fixed is not None:
             return self.fixed
         expected_tokens = 1.0 + np.cumsum(self.acceptance())  # [max_nodes]
-        return int(np.argmax(expected_tokens / (self._other_ms + self._verify_ms))) + 1
+        others = max(0, load.sessions - 1)
+        if others == 0:
+            rate = expected_tokens / (self._other_ms + self._verify_ms)
+        else:  # the others are assumed to commit what this tree did at its last size
+            their_tokens = max(0, load.tokens - (1 + self._last))
+            forward_ms = self._forward_ms(their_tokens + self._tokens)
+            rate = (others * expected_tokens[self._last - 1] + expected_tokens) / (
+                self._other_ms + forward_ms)
+        self._last = int(np.argmax(rate)) + 1
+        return self._last
+
+    def _forward_ms(self, tokens: np.ndarray) -> np.ndarray:
+        """A forward's time for `tokens` new tokens: the measured curve, continued past its
+        end with its last slope."""
+        slope = self._verify_ms[-1] - self._verify_ms[-2] if self.max_nodes > 1 else 0.0
+        return np.interp(tokens, self._tokens, self._verify_ms) + slope * np.maximum(
+            0, tokens - self._tokens[-1])
 
     def observe(self, sent: int, accepted_nodes: Sequence[int], round_ms: float,
                 verify_ms: float) -> None:

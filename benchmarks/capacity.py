@@ -1,0 +1,226 @@
+"""Server capacity: how many laptops one cloud-server carries, batched and unbatched.
+
+For 1, 2, 4, 8 and 16 concurrent edge clients (separate processes, started together, each with
+its own prompts taken from MT-Bench, HumanEval and GSM8K in turn), every method the edge offers
+(split decoding with the edge's drafter, server-side speculation, the plain streaming API) runs
+against a server that batches the forwards of the sessions ready together (the default) and
+one started with `--batch-tokens 0` (one session per forward). Reported: aggregate and
+per-client tokens/s, p50/p95 time per token (a generation's time after its first token, per
+token), target forward passes and server CPU seconds per generated token (from the server's
+own metrics). Greedy, so every prompt's answer must be the same in every configuration: the
+report counts the answers that differ (it must be 0).
+
+    python -m benchmarks.capacity --clients 1,2,4,8,16 --drafter moa
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from benchmarks.reliability import log, prompt_items, server_metrics
+
+METHODS = ("split", "server-spec", "plain-api")
+SERVERS = {"batched": (), "unbatched": ("--batch-tokens", "0")}
+START_DELAY_S = 8.0  # client processes load their drafter before the common start
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--clients", default="1,2,4,8,16")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--drafter", default="moa", help="the edge's drafter for split decoding")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--per-client", type=int, default=2, help="generations each client runs, "
+                   "one after another")
+    p.add_argument("--name", default="capacity")
+    p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as one client process
+    return p.parse_args(argv)
+
+
+# One client process ------------------------------------------------------------------------
+
+async def _client(spec: dict) -> None:
+    """Generates its prompts one after another from the common start; prints one JSON line
+    per answer. Split decoding runs at the edge-client CLI's default pace, auto."""
+    import asyncio
+
+    from edge_client.client import ClientOptions, EdgeClient
+    from edge_client.server_only import Mode
+    from shared.messages import ChatMessage, Pace
+
+    options = ClientOptions(spec["drafter"], None, spec["max_new_tokens"],
+                            mode=Mode(spec["method"]), pace=Pace.AUTO)
+    async with EdgeClient(spec["address"], options) as client:
+        await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
+        for prompt in spec["prompts"]:
+            start = time.time()
+            result = await client.generate(options.open_request(
+                chat=(ChatMessage("user", prompt),)))
+            print(json.dumps({"prompt": prompt, "ids": result.output_ids, "start": start,
+                              "end": time.time(), "ttft_s": result.ttft_s,
+                              "wall_s": result.wall_s}), flush=True)
+
+
+# The run -------------------------------------------------------------------------------------
+
+@dataclass
+class Cell:
+    """One configuration's outcome."""
+
+    server: str
+    method: str
+    clients: int
+    tokens: int
+    seconds: float
+    per_token_ms: list[float]
+    forwards: float
+    cpu_s: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(kind: str, metrics_port: int, sessions: int) -> Iterator[str]:
+    with cloud_server("--quiet", "--device", "cpu", "--metrics-port", str(metrics_port),
+                      "--max-sessions", str(max(sessions, 4)), *SERVERS[kind]) as address:
+        yield address
+
+
+def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: list[list[str]],
+             args: argparse.Namespace) -> tuple[Cell, list[dict]]:
+    before = server_metrics(metrics_port)
+    start_at = time.time() + START_DELAY_S
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.capacity", "--client", json.dumps({
+            "address": address, "method": method, "drafter": args.drafter, "prompts": mine,
+            "max_new_tokens": args.max_new_tokens, "start_at": start_at})],
+        stdout=subprocess.PIPE, text=True) for mine in prompts]
+    answers = []
+    for proc in procs:
+        out, _ = proc.communicate(timeout=3600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"a client failed ({method}, {kind}): exit {proc.returncode}")
+        answers += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    after = server_metrics(metrics_port)
+    tokens = sum(len(a["ids"]) for a in answers)
+    spent = {name: after[name] - before.get(name, 0.0)
+             for name in ("splitdec_model_forwards_total", "process_cpu_seconds_total")}
+    per_token = [1000 * (a["wall_s"] - a["ttft_s"]) / max(1, len(a["ids"]) - 1) for a in answers]
+    cell = Cell(kind, method, len(prompts), tokens,
+                max(a["end"] for a in answers) - min(a["start"] for a in answers), per_token,
+                spent["splitdec_model_forwards_total"] / tokens,
+                spent["process_cpu_seconds_total"] / tokens)
+    return cell, answers
+
+
+def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
+    counts = [int(n) for n in args.clients.split(",")]
+    methods = args.methods.split(",")
+    pool = [row["prompt"] for row in prompt_items(max(counts) * args.per_client)]
+    cells, answers_of, differ = [], {}, 0
+    for kind in SERVERS:
+        port = free_port()
+        with server(kind, port, max(counts)) as address:
+            for n in counts:
+                for method in methods:
+                    prompts = [pool[i * args.per_client:(i + 1) * args.per_client]
+                               for i in range(n)]
+                    cell, answers = run_cell(address, port, kind, method, prompts, args)
+                    for a in answers:
+                        differ += answers_of.setdefault(a["prompt"], a["ids"]) != a["ids"]
+                    cells.append(cell)
+                    log(f"{kind:9s} {method:11s} {n:2d} clients: {cell.tok_s:6.1f} tok/s, "
+                        f"{cell.forwards:.2f} forwards/token, {cell.cpu_s * 1000:.0f} ms "
+                        f"server CPU/token")
+    return cells, differ
+
+
+# The report ----------------------------------------------------------------------------------
+
+def table(cells: list[Cell]) -> str:
+    unbatched = {(c.method, c.clients): c.tok_s for c in cells if c.server == "unbatched"}
+    plain = {(c.server, c.clients): c.forwards for c in cells if c.method == "plain-api"}
+    rows = []
+    for c in cells:
+        p50, p95 = np.percentile(c.per_token_ms, [50, 95])
+        base = unbatched.get((c.method, c.clients))
+        plain_fwd = plain.get((c.server, c.clients))
+        rows.append([c.method, c.server, c.clients, f"{c.tok_s:.1f}",
+                     f"{c.tok_s / c.clients:.1f}",
+                     "" if base is None else f"{c.tok_s / base:.2f}x",
+                     f"{p50:.0f}", f"{p95:.0f}", f"{c.forwards:.2f}",
+                     "" if plain_fwd is None else f"{c.forwards / plain_fwd:.2f}x",
+                     f"{1000 * c.cpu_s:.0f}"])
+    return markdown_table(
+        ["method", "server", "clients", "tok/s", "tok/s per client", "vs unbatched",
+         "p50 ms/token", "p95 ms/token", "forwards/token", "vs plain API",
+         "server CPU ms/token"], rows)
+
+
+def plot(cells: list[Cell], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for method in dict.fromkeys(c.method for c in cells):
+        for kind, style in (("batched", "-"), ("unbatched", ":")):
+            mine = [c for c in cells if c.method == method and c.server == kind]
+            if not mine:
+                continue
+            xs = [c.clients for c in mine]
+            line, = left.plot(xs, [c.tok_s for c in mine], style, marker="o",
+                              label=f"{method}, {kind}")
+            right.plot(xs, [c.forwards for c in mine], style, marker="o",
+                       color=line.get_color())
+    for ax, label in ((left, "aggregate tokens/s"), (right, "target forwards per token")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent edge clients")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.suptitle("One cloud-server, many edge clients")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.client:
+        import asyncio
+
+        asyncio.run(_client(json.loads(args.client)))
+        return 0
+    cells, differ = run(args)
+    report = RESULTS / f"{args.name}.md"
+    report.write_text(
+        f"# {__doc__.splitlines()[0]}\n\n{machine()}; server and clients on this one machine. "
+        f"Split decoding's edge drafter: {args.drafter}; {args.per_client} generations of up "
+        f"to {args.max_new_tokens} tokens per client, greedy, over loopback.\n\n"
+        f"{table(cells)}\n\nAnswers that differ between configurations: {differ}\n")
+    plot(cells, RESULTS / f"{args.name}.png")
+    print(report.read_text())
+    return 0 if differ == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

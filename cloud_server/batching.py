@@ -1,0 +1,148 @@
+"""Continuous batching of sessions' model work (Orca, Yu et al., OSDI 2022, section 4).
+
+Each session hands its work (target.py's `Work`: a generator yielding the forwards it needs) to
+the batcher and awaits the result. Whenever the model thread is free, the batcher takes every
+job that is ready, up to `max_tokens` new tokens, and runs them as one ragged forward
+(ragged.py); work that needs another forward (the next chunk of a long prompt) joins the next
+one, new work joins as it arrives, and nobody waits for a batch to fill. A session that is not
+ready (its client is slow, or stopped reading) is simply not in the batch, so it holds no one
+back. The batch is taken in arrival order, so under a full batch every session still gets its
+turn. Runs on the event loop; the work itself runs on the model thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
+
+from cloud_server.model_thread import ModelThread
+from shared.drafting.budget import ALONE, Load
+
+if TYPE_CHECKING:  # the CLI reads DEFAULT_MAX_TOKENS without loading torch
+    from cloud_server.target import ForwardJob, TargetModel, Work
+
+T = TypeVar("T")
+DEFAULT_MAX_TOKENS = 512  # new tokens per forward: a CPU forward of that many takes ~0.3 s
+
+
+@dataclass
+class _Task(Generic[T]):
+    work: Work[T]
+    future: asyncio.Future
+    job: ForwardJob | None = None
+    started: bool = False
+    outcome: tuple[bool, Any] | None = None  # (True, result) or (False, error)
+
+    def advance(self) -> None:
+        """Runs the work to its next forward, or to its end (model thread)."""
+        self.started = True
+        try:
+            self.job = next(self.work)
+        except StopIteration as done:
+            self.job, self.outcome = None, (True, done.value)
+        except Exception as err:  # noqa: BLE001 - the session's error, raised to its caller
+            self.job, self.outcome = None, (False, err)
+
+    def fail(self, err: BaseException) -> None:
+        self.job, self.outcome = None, (False, err)
+        self.work.close()
+
+    def settle(self) -> None:
+        """Hands the outcome to the caller (event loop)."""
+        assert self.outcome is not None
+        if self.future.done():  # the caller went away (its stream was cancelled)
+            return
+        ok, value = self.outcome
+        self.future.set_result(value) if ok else self.future.set_exception(value)
+
+
+@dataclass
+class Batcher:
+    """`max_tokens` 0: one session's work per forward (no batching)."""
+
+    model_thread: ModelThread
+    target: TargetModel
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    on_forward: Callable[[int, int, float], None] = lambda sessions, tokens, seconds: None
+    last: Load = ALONE  # what the last forward ran
+    pending: int = 0  # work handed in and not finished
+    _queue: list[_Task] = field(default_factory=list)
+    _wake: asyncio.Event = field(default_factory=asyncio.Event)
+    _runner: asyncio.Task | None = None
+
+    @property
+    def batching(self) -> bool:
+        return self.max_tokens > 0 and self.target.batchable
+
+    async def run(self, work: Work[T]) -> T:
+        """Runs `work` on the model, its forwards batched with other sessions'."""
+        task: _Task[T] = _Task(work, asyncio.get_running_loop().create_future())
+        self._queue.append(task)
+        self._wake.set()
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.get_running_loop().create_task(self._serve())
+        self.pending += 1
+        try:
+            return await task.future
+        finally:
+            self.pending -= 1
+
+    async def _serve(self) -> None:
+        while True:
+            if not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            tasks, self._queue = self._queue, []
+            try:
+                await self.model_thread.run(self._round, tasks)
+            except Exception as err:  # noqa: BLE001 - the model thread is gone (shutdown)
+                for task in tasks:
+                    if task.outcome is None:
+                        task.fail(err)
+            for task in tasks:
+                if task.outcome is not None:
+                    task.settle()
+            # Work that needs another forward goes before what arrived meanwhile.
+            self._queue = [t for t in tasks if t.outcome is None] + self._queue
+
+    def _round(self, tasks: list[_Task]) -> None:
+        """One forward on the model thread: starts new work, runs the ready jobs together,
+        then takes each of them on to its next forward or its end."""
+        for task in tasks:
+            if task.started:
+                continue
+            if task.future.done():  # its caller went away before it began: nothing to do
+                task.fail(asyncio.CancelledError())
+            else:
+                task.advance()
+        batch = self._pick([t for t in tasks if t.job is not None])
+        if not batch:
+            return
+        start = time.perf_counter()
+        jobs = [t.job for t in batch if t.job is not None]
+        try:
+            self.target.run(jobs)
+        except Exception as err:  # noqa: BLE001 - raised to every caller in the forward
+            for task in batch:
+                task.fail(err)
+            return
+        self.last = Load(len(jobs), sum(len(job.ids) for job in jobs))
+        self.on_forward(self.last.sessions, self.last.tokens, time.perf_counter() - start)
+        for task in batch:
+            task.advance()
+
+    def _pick(self, ready: list[_Task]) -> list[_Task]:
+        """In arrival order, as many as fit in max_tokens (always the first)."""
+        if not self.batching:
+            return ready[:1]
+        picked: list[_Task] = []
+        tokens = 0
+        for task in ready:
+            new = 0 if task.job is None else len(task.job.ids)
+            if picked and tokens + new > self.max_tokens:
+                break
+            picked.append(task)
+            tokens += new
+        return picked

@@ -1,0 +1,170 @@
+"""Batched verification: sessions of different lengths and tree sizes share forwards, and each
+one's output is what it would be alone, greedy and seeded sampling alike."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from cloud_server.batching import Batcher
+from cloud_server.model_thread import ModelThread
+from cloud_server.server_decoding import ServerDecoder, decode_in_process, own_drafter
+from cloud_server.session import Session
+from cloud_server.target import PREFILL_CHUNK, keep_path
+from shared.acceptance import AcceptanceMode
+from shared.drafting.base import DrafterName
+from shared.messages import Limits, OpenRequest
+from shared.sampling import SamplingParams
+from shared.tree import DraftTree
+
+LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=600, max_new_tokens=64)
+
+
+def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
+    parents = tuple(-1 if i < 2 else int(rng.integers(-1, i)) for i in range(n))
+    return DraftTree(tuple(int(t) for t in rng.integers(3, vocab, n)), parents)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    """Repetitive prompts (lookup drafts get accepted) of quite different lengths."""
+    rng = np.random.default_rng(seed)
+    return [[1, *[int(t) for t in rng.integers(3, 60, 8)] * (1 + 3 * i)] for i in range(count)]
+
+
+def test_a_ragged_forward_gives_each_session_its_own_logits(tiny_target):
+    rng = np.random.default_rng(1)
+    vocab = tiny_target.vocab_size
+    sessions = [(list(rng.integers(3, vocab, length)), random_tree(rng, n, vocab))
+                for length, n in ((5, 0), (40, 3), (17, 12), (90, 7))]
+
+    def jobs():
+        made = []
+        for ids, tree in sessions:
+            cache, _ = tiny_target.prefill([int(t) for t in ids])
+            made.append(tiny_target.tree_job(cache, int(ids[-1]), tree, capture=(0, 1)))
+        return made
+
+    alone = jobs()
+    for job in alone:
+        tiny_target.run([job])
+    together = jobs()
+    tiny_target.run(together)
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b.logits, a.logits, rtol=1e-5, atol=1e-5)
+        assert b.hidden is not None and a.hidden is not None
+        torch.testing.assert_close(b.hidden, a.hidden, rtol=1e-5, atol=1e-5)
+        assert b.cache.get_seq_length() == a.cache.get_seq_length()
+        for la, lb in zip(a.cache.layers, b.cache.layers):
+            torch.testing.assert_close(lb.keys, la.keys, rtol=1e-5, atol=1e-5)
+
+
+def test_a_prompt_chunk_batched_with_a_tree_continues_like_a_whole_prefill(tiny_target):
+    """A prompt longer than a chunk goes in pieces, each causal over what is cached; its final
+    logits and cache match one prefill, whatever shares its forwards."""
+    rng = np.random.default_rng(2)
+    long = [int(t) for t in rng.integers(3, tiny_target.vocab_size, PREFILL_CHUNK + 40)]
+    _, whole = tiny_target.prefill(long)
+    other, _ = tiny_target.prefill(long[:30])
+    cache = tiny_target.new_cache()
+    work = tiny_target.prefill_jobs(cache, long)
+    try:
+        while True:
+            job = next(work)
+            tiny_target.run([job, tiny_target.tree_job(other, 5, random_tree(rng, 4, 300))])
+            keep_path(other, 29, ())
+    except StopIteration as done:
+        logits, _ = done.value
+    torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
+    assert cache.get_seq_length() == len(long)
+
+
+def run_together(target, requests: list[OpenRequest], drafter: DrafterName | None,
+                 max_tokens: int = 512) -> tuple[list[list[int]], int]:
+    """Runs every request's generation at once through one Batcher (the server's path);
+    returns the generated tokens of each and the most sessions one forward ran."""
+    most = [0]
+
+    def seen(sessions: int, _tokens: int, _s: float) -> None:
+        most[0] = max(most[0], sessions)
+
+    async def one(batcher: Batcher, request: OpenRequest) -> list[int]:
+        session = await batcher.model_thread.run(Session, target, LIMITS, request)
+        decoder = ServerDecoder(session, own_drafter(drafter, LIMITS), 0, ())
+        await batcher.run(decoder.prefilling())
+        while not session.finished:
+            await batcher.run(decoder.stepping())
+        return session.committed[len(session.prompt_ids):]
+
+    async def go() -> list[list[int]]:
+        batcher = Batcher(ModelThread(), target, max_tokens, seen)
+        try:
+            return list(await asyncio.gather(*(one(batcher, r) for r in requests)))
+        finally:
+            batcher.model_thread.shutdown()
+    return asyncio.run(go()), most[0]
+
+
+def alone(target, request: OpenRequest, drafter: DrafterName | None) -> list[int]:
+    run = decode_in_process(target, request, own_drafter(drafter, LIMITS), 0, limits=LIMITS)
+    return [t for v in run.verdicts for t in v.tokens]
+
+
+@pytest.mark.parametrize("drafter", [None, DrafterName.PLD])
+def test_greedy_sessions_together_write_what_each_writes_alone(tiny_target, drafter):
+    requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=24 + 8 * i)
+                for i, p in enumerate(prompts(5))]
+    together, most = run_together(tiny_target, requests, drafter)
+    assert most >= 3  # they really shared forwards
+    assert together == [alone(tiny_target, r, drafter) for r in requests]
+
+
+@pytest.mark.parametrize("mode", [AcceptanceMode.TOPK_DRAFTS, AcceptanceMode.SAMPLED_DRAFTS,
+                                  AcceptanceMode.EXPONENTIAL_RACE])
+def test_seeded_sampling_together_writes_what_it_writes_alone(tiny_target, mode):
+    requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=32, acceptance=mode,
+                            sampling=SamplingParams(temperature=0.8, seed=100 + i))
+                for i, p in enumerate(prompts(4, seed=3))]
+    together, most = run_together(tiny_target, requests, DrafterName.PLD)
+    assert most >= 2
+    assert together == [alone(tiny_target, r, DrafterName.PLD) for r in requests]
+
+
+def test_without_batching_each_forward_runs_one_session(tiny_target):
+    requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=16) for p in prompts(3)]
+    together, most = run_together(tiny_target, requests, DrafterName.PLD, max_tokens=0)
+    assert most == 1
+    assert together == [alone(tiny_target, r, DrafterName.PLD) for r in requests]
+
+
+def test_a_forward_takes_no_more_new_tokens_than_its_budget(tiny_target):
+    """A budget smaller than two sessions' steps: still one at a time, all finish."""
+    requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=12) for p in prompts(3)]
+    together, most = run_together(tiny_target, requests, None, max_tokens=1)
+    assert most == 1
+    assert together == [alone(tiny_target, r, None) for r in requests]
+
+
+def test_one_sessions_error_leaves_the_others_running(tiny_target):
+    good = OpenRequest(prompt_ids=tuple(prompts(1)[0]), max_new_tokens=16)
+
+    def broken():
+        raise ValueError("bad work")
+        yield  # a generator: its error comes from the model thread, as a session's would
+
+    async def go():
+        batcher = Batcher(ModelThread(), tiny_target)
+        try:
+            session = await batcher.model_thread.run(Session, tiny_target, LIMITS, good)
+            results = await asyncio.gather(batcher.run(broken()),
+                                           batcher.run(session.prefilling()),
+                                           return_exceptions=True)
+            while not session.finished:
+                await batcher.run(ServerDecoder(session, None, 0, ()).stepping())
+            return results, session.committed[len(session.prompt_ids):]
+        finally:
+            batcher.model_thread.shutdown()
+    results, generated = asyncio.run(go())
+    assert isinstance(results[0], ValueError)
+    assert generated == alone(tiny_target, good, None)
