@@ -24,6 +24,9 @@ if TYPE_CHECKING:  # the CLI reads DEFAULT_MAX_TOKENS without loading torch
 
 T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 512  # new tokens per forward: a CPU forward of that many takes ~0.3 s
+# The longest the model waits, as a share of the last forward's time, for the sessions of that
+# forward to come back before it runs the next without them.
+GATHER_SHARE = 0.15
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Batcher:
     max_tokens: int = DEFAULT_MAX_TOKENS
     on_forward: Callable[[int, int, float], None] = lambda sessions, tokens, seconds: None
     last: Load = ALONE  # what the last forward ran
+    _last_s: float = 0.0  # how long it took
     pending: int = 0  # work handed in and not finished
     _queue: list[_Task] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -94,6 +98,8 @@ class Batcher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self.batching:
+                await self._gather()
             tasks, self._queue = self._queue, []
             try:
                 await self.model_thread.run(self._round, tasks)
@@ -106,6 +112,24 @@ class Batcher:
                     task.settle()
             # Work that needs another forward goes before what arrived meanwhile.
             self._queue = [t for t in tasks if t.outcome is None] + self._queue
+
+    async def _gather(self) -> None:
+        """Waits a little for the sessions of the last forward to be ready again.
+
+        A session's next work comes a round trip after its Verdict (the client drafts on it),
+        and a forward started the moment the first session is back leaves the others for the
+        forward after (measured: 8 loopback clients, 3 sessions per forward on average). A
+        short wait, a fraction of a forward, gathers them into one."""
+        deadline = time.monotonic() + GATHER_SHARE * self._last_s
+        while len(self._queue) < self.last.sessions:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     def _round(self, tasks: list[_Task]) -> None:
         """One forward on the model thread: starts new work, runs the ready jobs together,
@@ -129,7 +153,8 @@ class Batcher:
                 task.fail(err)
             return
         self.last = Load(len(jobs), sum(len(job.ids) for job in jobs))
-        self.on_forward(self.last.sessions, self.last.tokens, time.perf_counter() - start)
+        self._last_s = time.perf_counter() - start
+        self.on_forward(self.last.sessions, self.last.tokens, self._last_s)
         for task in batch:
             task.advance()
 
