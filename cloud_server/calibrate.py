@@ -45,6 +45,7 @@ def measure_verify_costs(target: TargetModel, max_nodes: int, repeat: int = 3
         start = time.perf_counter()
         target.forward_tree(cache, prefix[-1], tree)
         keep_path(cache, PREFIX_TOKENS, ())
+        target.synchronize()  # on a GPU, the clock must not stop at the kernels' launch
         return 1000 * (time.perf_counter() - start)
 
     with progress.bar(2 * len(trees), "measuring verify costs", "tree size") as shown:

@@ -11,7 +11,7 @@ import sys
 
 from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.pacing import PacingPolicy
-from cloud_server.device import Device
+from cloud_server.device import Device, Precision
 from shared import progress
 from shared.drafting import DRAFTERS
 from shared.drafting.base import DrafterName
@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, embedded), a hub id or a local path")
     p.add_argument("--device", choices=[d.value for d in Device], default=Device.AUTO.value)
+    p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.AUTO.value,
+                   help="the target's precision; auto: fp32 on the CPU, bf16 on a GPU")
     p.add_argument("--cpu-linear", choices=("onednn", "stock"), default="onednn",
                    help="CPU linear kernels: oneDNN (about 2x faster here) or PyTorch's default")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
@@ -137,7 +139,7 @@ def run(argv: list[str]) -> int:
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)
         model_thread = ModelThread()
         target = model_thread.call(TargetModel.load, path, model_id, Device(args.device),
-                                   onednn=args.cpu_linear == "onednn")
+                                   args.cpu_linear == "onednn", Precision(args.dtype))
         service = build_service(target, limits_from(args), model_thread, drafter_dir,
                                 pacing_from(args), args.kv_budget_mb * 2**20, args.batch_tokens)
         print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)

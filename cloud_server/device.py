@@ -1,5 +1,5 @@
-"""Where the target runs (`cloud-server --device`); apart from target.py so the CLI parses it
-without importing torch."""
+"""Where the target runs and in what precision (`cloud-server --device`, `--dtype`); apart from
+target.py so the CLI parses them without importing torch."""
 from __future__ import annotations
 
 from enum import StrEnum
@@ -9,3 +9,10 @@ class Device(StrEnum):
     AUTO = "auto"  # a CUDA GPU when torch sees one, else the CPU
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class Precision(StrEnum):
+    AUTO = "auto"  # fp32 on the CPU (bf16 matmuls are slow there), bf16 on a GPU
+    FP32 = "fp32"
+    BF16 = "bf16"
+    FP16 = "fp16"

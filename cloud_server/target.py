@@ -23,7 +23,7 @@ from transformers import (
 
 from cloud_server import ragged
 from cloud_server.cpu_kernels import use_onednn_linear
-from cloud_server.device import Device
+from cloud_server.device import Device, Precision
 from cloud_server.layer_outputs import LayerOutputs
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
@@ -65,6 +65,13 @@ def pick_device(device: Device) -> torch.device:
     return torch.device(device.value)
 
 
+def pick_dtype(precision: Precision, device: torch.device) -> torch.dtype:
+    if precision is Precision.AUTO:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16,
+            Precision.FP16: torch.float16}[precision]
+
+
 @dataclass
 class TargetModel:
     model: PreTrainedModel
@@ -75,12 +82,11 @@ class TargetModel:
 
     @classmethod
     def load(cls, path: str, model_id: str, device: Device | str = Device.AUTO,
-             onednn: bool = True) -> "TargetModel":
-        """`device` may be given as text ("cpu"); `onednn`: on the CPU, run linear layers
-        through oneDNN (cpu_kernels.py)."""
+             onednn: bool = True, precision: Precision | str = Precision.AUTO) -> "TargetModel":
+        """`device` and `precision` may be given as text ("cpu", "bf16"); `onednn`: on the
+        CPU, run fp32 linear layers through oneDNN (cpu_kernels.py)."""
         dev = pick_device(Device(device))
-        # fp32 on the CPU (bf16 matmuls are slow there); bf16 on a GPU.
-        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+        dtype = pick_dtype(Precision(precision), dev)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         # transformers wraps PreTrainedModel.to in a decorator whose stub loses the signature
         model = model.to(dev).eval()  # type: ignore[arg-type]
@@ -205,6 +211,13 @@ class TargetModel:
         for i, job in enumerate(jobs):
             job.logits = logits[i]
             job.hidden = hidden[i] if hidden is not None and job.capture else None
+        self.synchronize()
+
+    def synchronize(self) -> None:
+        """Waits for the device to finish what was launched: a CUDA forward returns before
+        it has run, and a clock read right after would time the launch only."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _cache_and_mask(self, jobs: Sequence[ForwardJob]
                         ) -> tuple[DynamicCache | ragged.RaggedCache, torch.Tensor | None]:

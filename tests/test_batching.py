@@ -168,3 +168,18 @@ def test_one_sessions_error_leaves_the_others_running(tiny_target):
     results, generated = asyncio.run(go())
     assert isinstance(results[0], ValueError)
     assert generated == alone(tiny_target, good, None)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_half_precision_target_batches_and_speculates_like_its_plain_decoding(
+        tiny_model_dir, precision):
+    """--dtype on the CPU (the GPU path's precisions): the model loads in it, and batched
+    speculative sessions write what plain decoding in that precision writes."""
+    from cloud_server.target import TargetModel
+
+    target = TargetModel.load(str(tiny_model_dir), "tiny-llama", "cpu", precision=precision)
+    assert target.model.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=20) for p in prompts(3)]
+    together, most = run_together(target, requests, DrafterName.PLD)
+    assert most >= 2
+    assert together == [alone(target, r, None) for r in requests]
