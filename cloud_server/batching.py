@@ -24,15 +24,37 @@ if TYPE_CHECKING:  # the CLI reads DEFAULT_MAX_TOKENS without loading torch
 
 T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 512  # new tokens per forward: a CPU forward of that many takes ~0.3 s
-# The longest the model waits, as a share of the last forward's time, for the sessions of that
-# forward to come back before it runs the next without them.
-GATHER_SHARE = 0.15
+# The longest the model waits, as a share of the last forward's time, for sessions due back
+# before it runs the next forward without them.
+GATHER_SHARE = 0.25
+FORGET_S = 10.0  # a session silent this long is no longer expected back
+
+
+@dataclass
+class _Rhythm:
+    """When a session's last work ended, and how long it takes to hand in the next."""
+
+    done_at: float | None = None
+    turnaround_s: float | None = None
+
+    def submitted(self, now: float) -> None:
+        if self.done_at is not None:
+            gap = now - self.done_at
+            self.turnaround_s = gap if self.turnaround_s is None else (
+                0.7 * self.turnaround_s + 0.3 * gap)
+        self.done_at = None
+
+    def due_by(self, deadline: float) -> bool:
+        """Idle now, and expected back before `deadline`."""
+        return (self.done_at is not None and self.turnaround_s is not None
+                and self.done_at + self.turnaround_s <= deadline)
 
 
 @dataclass
 class _Task(Generic[T]):
     work: Work[T]
     future: asyncio.Future
+    key: str | None
     job: ForwardJob | None = None
     started: bool = False
     outcome: tuple[bool, Any] | None = None  # (True, result) or (False, error)
@@ -70,6 +92,7 @@ class Batcher:
     on_forward: Callable[[int, int, float], None] = lambda sessions, tokens, seconds: None
     last: Load = ALONE  # what the last forward ran
     _last_s: float = 0.0  # how long it took
+    _rhythms: dict[str, _Rhythm] = field(default_factory=dict)
     pending: int = 0  # work handed in and not finished
     _queue: list[_Task] = field(default_factory=list)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -79,9 +102,12 @@ class Batcher:
     def batching(self) -> bool:
         return self.max_tokens > 0 and self.target.batchable
 
-    async def run(self, work: Work[T]) -> T:
-        """Runs `work` on the model, its forwards batched with other sessions'."""
-        task: _Task[T] = _Task(work, asyncio.get_running_loop().create_future())
+    async def run(self, work: Work[T], key: str | None = None) -> T:
+        """Runs `work` on the model, its forwards batched with other sessions'. `key` names
+        the session: the batcher learns when it hands in work, to gather it into a forward."""
+        if key is not None:
+            self._rhythms.setdefault(key, _Rhythm()).submitted(time.monotonic())
+        task: _Task[T] = _Task(work, asyncio.get_running_loop().create_future(), key)
         self._queue.append(task)
         self._wake.set()
         if self._runner is None or self._runner.done():
@@ -110,18 +136,30 @@ class Batcher:
             for task in tasks:
                 if task.outcome is not None:
                     task.settle()
+                    if task.key in self._rhythms:
+                        self._rhythms[task.key].done_at = time.monotonic()
             # Work that needs another forward goes before what arrived meanwhile.
             self._queue = [t for t in tasks if t.outcome is None] + self._queue
 
-    async def _gather(self) -> None:
-        """Waits a little for the sessions of the last forward to be ready again.
+    def forget(self, key: str) -> None:
+        """The session ended: it hands in no more work."""
+        self._rhythms.pop(key, None)
 
-        A session's next work comes a round trip after its Verdict (the client drafts on it),
-        and a forward started the moment the first session is back leaves the others for the
-        forward after (measured: 8 loopback clients, 3 sessions per forward on average). A
-        short wait, a fraction of a forward, gathers them into one."""
-        deadline = time.monotonic() + GATHER_SHARE * self._last_s
-        while len(self._queue) < self.last.sessions:
+    async def _gather(self) -> None:
+        """Waits a little for the sessions due back to hand in their work.
+
+        A session's next work comes some time after its last ended (a client drafts on each
+        Verdict, a round trip away), and a forward started the moment the first session is
+        back leaves the others for the forward after: measured with 8 loopback clients, 3
+        sessions per forward, and 2 clients fell into step, each forward running one. The
+        batcher learns each session's turnaround and waits, at most a fraction of a forward,
+        for those expected back by then."""
+        now = time.monotonic()
+        deadline = now + GATHER_SHARE * self._last_s
+        for key in [k for k, r in self._rhythms.items()
+                    if r.done_at is not None and r.done_at < now - FORGET_S]:
+            self.forget(key)
+        while any(r.due_by(deadline) for r in self._rhythms.values()):
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate "
                    "chain (and --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", help="the certificate's private key")
+    p.add_argument("--tls-client-ca", metavar="PEM",
+                   help="mutual TLS: accept only clients with a certificate this CA signed; a "
+                        "session can then be resumed only with the certificate that opened it")
     p.add_argument("--auth-token-file", metavar="FILE",
                    help="every call but the health service's must carry this token "
                         "(edge-client --auth-token-file)")
@@ -133,7 +136,8 @@ def run(argv: list[str]) -> int:
         from cloud_server.drafter_serving import find_drafter
 
         model_store.follow_progress_setting()
-        security = Security.from_files(args.tls_cert, args.tls_key, args.auth_token_file)
+        security = Security.from_files(args.tls_cert, args.tls_key, args.auth_token_file,
+                                       args.tls_client_ca)
         path, model_id = model_store.resolve(args.model)
         drafter_dir = find_drafter(args.drafter_dir, model_id)
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)

@@ -26,12 +26,13 @@ from cloud_server.paced_decoder import PacedDecoder
 from cloud_server.pacing import Inbox, PacingPolicy, run_paced
 from cloud_server.server_decoding import ServerDecoder, own_drafter
 from cloud_server.session import Session
+from cloud_server.security import caller
 from cloud_server.session_table import SessionTable
 from cloud_server.target import TargetModel
 from shared import wire
 from shared.drafting.budget import Load
 from shared.errors import (
-    InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
+    Forbidden, InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
 )
 from shared.messages import (
     PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, Pace, ServerInfo,
@@ -48,6 +49,7 @@ STATUS_OF = {
     OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
+    Forbidden: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -172,10 +174,10 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         if not isinstance(opening, OpenRequest):
             raise OutOfOrder("no open session on this stream: the first message must be open")
         owner = object()  # this stream, as the session table knows it
-        session, resumed = await self._attach(opening, owner)
+        session, resumed = await self._attach(opening, owner, caller(context))
         try:
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
-                     else await self.batcher.run(session.prefilling()))
+                     else await self.batcher.run(session.prefilling(), session.id))
             await self._send(context, session.opened(resumed))
             await self._send(context, first)
             serve = self._serve_rounds if session.pace is Pace.LOCKSTEP else self._serve_paced
@@ -186,33 +188,38 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         except BaseException:  # the stream broke (cancelled, reset): keep it for a resume
             self.sessions.detach(session, owner)
             raise
+        finally:
+            self.batcher.forget(session.id)
         if ended:
             self.sessions.release(session, owner)
         else:
             self.sessions.detach(session, owner)
 
-    async def _attach(self, request: OpenRequest, owner: object) -> tuple[Session, bool]:
-        """The stream's session, and whether it is an existing one taken over by a resume.
-        A resume of a session the server no longer holds rebuilds it from the edge's history."""
+    async def _attach(self, request: OpenRequest, owner: object, by: str | None
+                      ) -> tuple[Session, bool]:
+        """The stream's session, and whether it is an existing one taken over by a resume
+        (only `by`, the client that opened it, may). A resume of a session the server no
+        longer holds rebuilds it from the edge's history."""
         if request.resume is not None:
             if request.prompt_ids is None:
                 raise InvalidRequest("resume needs the prompt as the input_ids Opened answered")
-            held = self.sessions.take_over(request.resume.session_id, owner)
+            held = self.sessions.take_over(request.resume.session_id, owner, by)
             if held is not None:
                 if held.prompt_ids != request.prompt_ids:
                     self.sessions.detach(held, owner)
                     raise InvalidRequest(f"resume prompt does not match session {held.id}")
                 self.metrics.sessions_opened.labels("resumed").inc()
                 return held, True
-        return await self._new_session(request, owner), False
+        return await self._new_session(request, owner, by), False
 
-    async def _new_session(self, request: OpenRequest, owner: object) -> Session:
+    async def _new_session(self, request: OpenRequest, owner: object,
+                           by: str | None = None) -> Session:
         self.sessions.reserve()
         pace, lead = self.pacing.resolve(request.pace, request.lead)
         request = replace(request, pace=pace, lead=lead)
         source = None if self.drafter is None else self.drafter.activations
         session = await self._on_model(Session, self.target, self.limits, request, source)
-        self.sessions.add(session, owner, session.kv_bytes)
+        self.sessions.add(session, owner, session.kv_bytes, by)
         how = "new" if request.resume is None else "rebuilt"
         self.metrics.sessions_opened.labels(how).inc()
         return session
@@ -247,7 +254,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         try:
             await run_paced(lambda: len(session.committed), lambda: session.finished, inbox,
                             lambda draft, queued_at: self.batcher.run(
-                                decoder.stepping(draft, queued_at)),
+                                decoder.stepping(draft, queued_at), session.id),
                             lambda verdict: self._send(context, verdict), session.pace,
                             session.lead,
                             lambda: self.pacing.load_wait and self.batcher.pending > 0)
@@ -295,18 +302,20 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             decoder = ServerDecoder(session, own_drafter(req.drafter, self.limits), req.tree_nodes,
                                     self.verify_costs, self._load)
             await self._send(context, session.opened())
-            await self._send(context, await self.batcher.run(decoder.prefilling()))
+            await self._send(context, await self.batcher.run(decoder.prefilling(), session.id))
             while not session.finished:
-                await self._send(context, await self.batcher.run(decoder.stepping()))
+                await self._send(context, await self.batcher.run(decoder.stepping(),
+                                                                 session.id))
             await self._send(context, session.done())
         finally:
+            self.batcher.forget(session.id)
             self.sessions.release(session, owner)
 
     def _load(self) -> Load:
         return self.batcher.last
 
     async def _verify(self, session: Session, draft: DraftRequest) -> Verdict:
-        return await self.batcher.run(session.verify(draft, time.perf_counter()))
+        return await self.batcher.run(session.verify(draft, time.perf_counter()), session.id)
 
     async def _send(self, context, msg: ServerMessage) -> None:
         # Half the message limit for the activations leaves room for the rest of a Verdict.

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from cloud_server.session import Session
-from shared.errors import Overloaded
+from shared.errors import Forbidden, Overloaded
 from shared.messages import Limits
 
 
@@ -23,6 +23,7 @@ class _Entry:
     owner: object | None  # None: detached, waiting for a resume
     active_at: float
     kv_bytes: int = 0  # the KV cache it may grow to (Session.kv_bytes)
+    caller: str | None = None  # who opened it (security.caller); only they may resume it
 
 
 class SessionTable:
@@ -57,7 +58,8 @@ class SessionTable:
             raise Overloaded(f"server is at its limit of {self.limits.max_sessions} sessions; "
                              "retry in a few seconds")
 
-    def add(self, session: Session, owner: object, kv_bytes: int = 0) -> None:
+    def add(self, session: Session, owner: object, kv_bytes: int = 0,
+            caller: str | None = None) -> None:
         """Raises Overloaded when the session's KV cache would pass the budget, after dropping
         expired and finished orphans; sessions already admitted are never squeezed."""
         if self.kv_budget_bytes and self.kv_bytes + kv_bytes > self.kv_budget_bytes:
@@ -69,14 +71,18 @@ class SessionTable:
                                  f"and {free / 2**20:.0f} MiB of the server's "
                                  f"{self.kv_budget_bytes / 2**20:.0f} MiB are free; retry "
                                  "when a session ends, or ask for fewer tokens")
-        self._entries[session.id] = _Entry(session, owner, self._clock(), kv_bytes)
+        self._entries[session.id] = _Entry(session, owner, self._clock(), kv_bytes, caller)
 
-    def take_over(self, session_id: str, owner: object) -> Session | None:
-        """The session, now owned by `owner`; None when the server no longer holds it."""
+    def take_over(self, session_id: str, owner: object, caller: str | None = None
+                  ) -> Session | None:
+        """The session, now owned by `owner`; None when the server no longer holds it. Raises
+        Forbidden when `caller` is not who opened it."""
         self.evict_expired()
         entry = self._entries.get(session_id)
         if entry is None:
             return None
+        if entry.caller != caller:
+            raise Forbidden(f"session {session_id} was opened by another client")
         entry.owner, entry.active_at = owner, self._clock()
         return entry.session
 

@@ -30,7 +30,7 @@ from edge_client.security import ClientSecurity
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.server_only import Mode
 from shared import progress
-from shared.auth import read_token
+from shared.auth import TOKEN_VARIABLE, read_token
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
 from shared.messages import ActivationFormat, ChatMessage, Pace
@@ -94,9 +94,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="connect over TLS, checking the server against the system's roots")
     p.add_argument("--tls-ca", metavar="PEM",
                    help="connect over TLS, checking the server against this CA certificate")
+    p.add_argument("--tls-cert", metavar="PEM",
+                   help="mutual TLS: this client's certificate (cloud-server --tls-client-ca)")
+    p.add_argument("--tls-key", metavar="PEM", help="mutual TLS: the certificate's private key")
     p.add_argument("--auth-token-file", metavar="FILE",
                    help="send the token in this file with every call (cloud-server "
-                        "--auth-token-file)")
+                        f"--auth-token-file); without it, the token in {TOKEN_VARIABLE}, if set")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar for the drafter's download (a pipe gets none either)")
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
@@ -219,14 +222,26 @@ async def serve(args: argparse.Namespace, options: ClientOptions, address: str) 
 
 def link_config(args: argparse.Namespace) -> LinkConfig:
     """The link's security from the flags; files are read here, so a bad path fails early."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise BadInput("--tls-cert and --tls-key go together")
     try:
         security = ClientSecurity(
-            tls=args.tls, root_certificates=None if args.tls_ca is None
-            else Path(args.tls_ca).read_bytes(),
-            auth_token=None if args.auth_token_file is None else read_token(args.auth_token_file))
+            tls=args.tls, root_certificates=_read(args.tls_ca), auth_token=auth_token(args),
+            certificate_chain=_read(args.tls_cert), private_key=_read(args.tls_key))
     except ValueError as err:
         raise BadInput(str(err)) from None
     return LinkConfig(security=security)
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
+def auth_token(args: argparse.Namespace) -> str | None:
+    """From --auth-token-file, else the environment (never a flag: a process list shows those)."""
+    if args.auth_token_file is not None:
+        return read_token(args.auth_token_file)
+    return os.environ.get(TOKEN_VARIABLE, "").strip() or None
 
 
 def options_from(args: argparse.Namespace) -> ClientOptions:

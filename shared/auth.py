@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 AUTH_HEADER = "authorization"
+TOKEN_VARIABLE = "SPLITDEC_AUTH_TOKEN"  # the edge's token when no --auth-token-file is given
 
 
 def bearer(token: str) -> str:

@@ -24,3 +24,8 @@ class Overloaded(SplitDecodingError):
 
 class NotFound(SplitDecodingError):
     """A named thing the server does not have, such as an artifact (NOT_FOUND)."""
+
+
+class Forbidden(SplitDecodingError):
+    """A caller asking for what belongs to another, such as a session it did not open
+    (PERMISSION_DENIED)."""

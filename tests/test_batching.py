@@ -183,3 +183,44 @@ def test_a_half_precision_target_batches_and_speculates_like_its_plain_decoding(
     together, most = run_together(target, requests, DrafterName.PLD)
     assert most >= 2
     assert together == [alone(target, r, None) for r in requests]
+
+
+def test_sessions_whose_clients_answer_quickly_are_gathered_into_one_forward(tiny_target):
+    """Two lock-step sessions whose clients answer within a fraction of a forward: without a
+    short wait they fall into step, each forward running one of them; the batcher learns their
+    turnaround and runs them together."""
+    import dataclasses
+    import time
+
+    from cloud_server.target import TargetModel
+
+    class SlowTarget(TargetModel):  # a forward as slow as a real model's, on the tiny one
+        def run(self, jobs) -> None:
+            time.sleep(0.04)
+            super().run(jobs)
+
+    slow = SlowTarget(**{f.name: getattr(tiny_target, f.name)
+                         for f in dataclasses.fields(tiny_target)})
+    sizes: list[int] = []
+
+    async def client(batcher: Batcher, session: Session, key: str) -> None:
+        decoder = ServerDecoder(session, None, 0, ())
+        await batcher.run(session.prefilling(), key)
+        for _ in range(12):
+            await asyncio.sleep(0.001)  # the client's turnaround
+            await batcher.run(decoder.stepping(), key)
+        batcher.forget(key)
+
+    async def go() -> None:
+        batcher = Batcher(ModelThread(), slow, on_forward=lambda n, _t, _s: sizes.append(n))
+        try:
+            request = OpenRequest(prompt_ids=tuple(prompts(1)[0]), max_new_tokens=40)
+            sessions = [await batcher.model_thread.run(Session, slow, LIMITS, request)
+                        for _ in range(2)]
+            first = asyncio.create_task(client(batcher, sessions[0], "a"))
+            await asyncio.sleep(0.02)  # out of step from the start
+            await asyncio.gather(first, client(batcher, sessions[1], "b"))
+        finally:
+            batcher.model_thread.shutdown()
+    asyncio.run(go())
+    assert sizes[-8:].count(2) >= 6, sizes

@@ -93,3 +93,88 @@ def test_tls_and_token_from_the_cli_and_health_without_token(secure_server, pki)
 def test_a_key_without_a_certificate_is_refused(pki):
     with pytest.raises(ValueError, match="go together"):
         Security.from_files(None, str(pki / "key.pem"), None)
+
+
+@pytest.fixture(scope="module")
+def mtls(tmp_path_factory, pki):
+    """A CA, and two client certificates it signed ("alice", "bob")."""
+    path = tmp_path_factory.mktemp("mtls")
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=edge-ca",
+            "-keyout", str(path / "ca.key"), "-out", str(path / "ca.pem"))
+    for name in ("alice", "bob"):
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}",
+                "-keyout", str(path / f"{name}.key"), "-out", str(path / f"{name}.csr"))
+        openssl("x509", "-req", "-in", str(path / f"{name}.csr"), "-CA", str(path / "ca.pem"),
+                "-CAkey", str(path / "ca.key"), "-CAcreateserial", "-days", "1",
+                "-out", str(path / f"{name}.pem"))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mtls_server(tiny_target, pki, mtls):
+    security = Security.from_files(str(pki / "cert.pem"), str(pki / "key.pem"), None,
+                                   str(mtls / "ca.pem"))
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
+    with ServerThread(tiny_target, limits, security=security) as server:
+        yield server
+
+
+def client_security(pki, mtls, name: str | None) -> ClientSecurity:
+    return ClientSecurity(True, (pki / "cert.pem").read_bytes(), None,
+                          None if name is None else (mtls / f"{name}.pem").read_bytes(),
+                          None if name is None else (mtls / f"{name}.key").read_bytes())
+
+
+def test_mutual_tls_lets_certified_clients_in_and_keeps_others_out(mtls_server, tiny_target,
+                                                                   pki, mtls):
+    assert generate(mtls_server.address, client_security(pki, mtls, "alice")) == plain_greedy(
+        tiny_target, PROMPT, 12)
+    with pytest.raises(LinkError, match="cannot reach|did not answer|unavailable"):
+        generate(mtls_server.address, client_security(pki, mtls, None))
+
+
+def test_only_the_client_that_opened_a_session_may_resume_it(mtls_server, pki, mtls):
+    import grpc
+
+    from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+    from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
+
+    def decode(name: str, opening: pb.Open) -> list:
+        creds = grpc.ssl_channel_credentials((pki / "cert.pem").read_bytes(),
+                                             (mtls / f"{name}.key").read_bytes(),
+                                             (mtls / f"{name}.pem").read_bytes())
+        with grpc.secure_channel(mtls_server.address, creds) as channel:
+            call = pb_grpc.SplitDecodingStub(channel).Decode(
+                iter([pb.ClientMessage(open=opening)]), timeout=20)
+            return list(call)  # the stream ends: the session waits for a resume
+
+    opened = decode("alice", pb.Open(input_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=12))
+    sid, first = opened[0].opened.session_id, list(opened[1].verdict.tokens)
+    resume = pb.Open(input_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=12,
+                     resume=pb.Resume(session_id=sid, generated_ids=first))
+    with pytest.raises(grpc.RpcError) as refused:
+        decode("bob", resume)
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "another client" in refused.value.details()
+    assert decode("alice", resume)[0].opened.resumed
+
+
+def test_the_edge_takes_its_token_from_the_environment(secure_server, pki):
+    import os
+
+    edge = [sys.executable, "-m", "edge_client.cli", "--server", secure_server.address,
+            "--drafter", "pld", "--max-new-tokens", "4", "--tls-ca", str(pki / "cert.pem"), "hi"]
+    env = {**os.environ, "SPLITDEC_AUTH_TOKEN": TOKEN}
+    ok = subprocess.run(edge, capture_output=True, text=True, timeout=60, env=env)
+    assert ok.returncode == 0, ok.stderr
+    env["SPLITDEC_AUTH_TOKEN"] = "wrong"
+    refused = subprocess.run(edge, capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode == 3 and "unauthenticated" in refused.stderr
+
+
+def test_a_client_ca_without_a_server_certificate_is_refused(mtls):
+    with pytest.raises(ValueError, match="needs --tls-cert"):
+        Security.from_files(None, None, None, str(mtls / "ca.pem"))
