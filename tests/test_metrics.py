@@ -62,4 +62,9 @@ def test_metrics_follow_a_generation(isolated_server):
     assert grew("splitdec_bytes_total[out]") >= result.bytes_down - 64 * result.rounds
     assert grew("splitdec_bytes_total[in]") > 0
     assert grew("splitdec_verify_ms_count") == result.rounds + 1
+    # one session alone: every forward pass carried it alone, its pending token and its tree
+    assert grew("splitdec_model_forwards_total") == result.rounds + 1
+    assert grew("splitdec_batch_sessions_sum") == result.rounds + 1
+    assert grew("splitdec_batch_tokens_sum") >= len(PROMPT) + result.rounds
+    assert grew("splitdec_forward_ms_count") == result.rounds + 1
     assert after["process_resident_memory_bytes"] > 0 and after["process_open_fds"] > 0
