@@ -36,17 +36,18 @@ class _Rhythm:
 
     done_at: float | None = None
     turnaround_s: float | None = None
+    late: bool = False  # missed a gathering: not waited for again until it hands in work
 
     def submitted(self, now: float) -> None:
         if self.done_at is not None:
             gap = now - self.done_at
             self.turnaround_s = gap if self.turnaround_s is None else (
                 0.7 * self.turnaround_s + 0.3 * gap)
-        self.done_at = None
+        self.done_at, self.late = None, False
 
     def due_by(self, deadline: float) -> bool:
         """Idle now, and expected back before `deadline`."""
-        return (self.done_at is not None and self.turnaround_s is not None
+        return (self.done_at is not None and self.turnaround_s is not None and not self.late
                 and self.done_at + self.turnaround_s <= deadline)
 
 
@@ -153,7 +154,8 @@ class Batcher:
         back leaves the others for the forward after: measured with 8 loopback clients, 3
         sessions per forward, and 2 clients fell into step, each forward running one. The
         batcher learns each session's turnaround and waits, at most a fraction of a forward,
-        for those expected back by then."""
+        for those expected back by then. One that misses it (its client stopped reading, its
+        link slowed) is not waited for again until it is back, so it holds no one up twice."""
         now = time.monotonic()
         deadline = now + GATHER_SHARE * self._last_s
         for key in [k for k, r in self._rhythms.items()
@@ -161,12 +163,14 @@ class Batcher:
             self.forget(key)
         while any(r.due_by(deadline) for r in self._rhythms.values()):
             left = deadline - time.monotonic()
-            if left <= 0:
-                return
             self._wake.clear()
             try:
+                if left <= 0:
+                    raise asyncio.TimeoutError
                 await asyncio.wait_for(self._wake.wait(), left)
             except asyncio.TimeoutError:
+                for rhythm in self._rhythms.values():
+                    rhythm.late |= rhythm.due_by(deadline)
                 return
 
     def _round(self, tasks: list[_Task]) -> None:

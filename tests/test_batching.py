@@ -224,3 +224,26 @@ def test_sessions_whose_clients_answer_quickly_are_gathered_into_one_forward(tin
             batcher.model_thread.shutdown()
     asyncio.run(go())
     assert sizes[-8:].count(2) >= 6, sizes
+
+
+def test_a_session_that_misses_a_gathering_is_not_waited_for_again_until_it_is_back(
+        tiny_target):
+    """A client that stops reading costs the others one short wait, not one per forward."""
+    import time
+
+    from cloud_server.batching import _Rhythm
+
+    async def go() -> tuple[bool, bool, bool]:
+        batcher = Batcher(ModelThread(), tiny_target)
+        try:
+            gone = batcher._rhythms["gone"] = _Rhythm(time.monotonic(), turnaround_s=0.0)
+            batcher._last_s = 0.05
+            due_before = gone.due_by(time.monotonic() + 1)
+            await batcher._gather()  # waits for it, in vain
+            due_after = gone.due_by(time.monotonic() + 1)
+            gone.submitted(time.monotonic())  # back: waited for again once idle
+            gone.done_at = time.monotonic()
+            return due_before, due_after, gone.due_by(time.monotonic() + 1)
+        finally:
+            batcher.model_thread.shutdown()
+    assert asyncio.run(go()) == (True, False, True)
