@@ -4,10 +4,12 @@ Each session hands its work (target.py's `Work`: a generator yielding the forwar
 the batcher and awaits the result. Whenever the model thread is free, the batcher takes every
 job that is ready, up to `max_tokens` new tokens, and runs them as one ragged forward
 (ragged.py); work that needs another forward (the next chunk of a long prompt) joins the next
-one, new work joins as it arrives, and nobody waits for a batch to fill. A session that is not
-ready (its client is slow, or stopped reading) is simply not in the batch, so it holds no one
-back. The batch is taken in arrival order, so under a full batch every session still gets its
-turn. Runs on the event loop; the work itself runs on the model thread.
+one and new work joins as it arrives. Nobody waits for a batch to fill: the model waits at most a
+quarter of a forward, and only for sessions whose learned turnaround says they are due back
+(`_gather`). A session that is not ready (its client is slow, or stopped reading) is simply not
+in the batch, so it holds no one back. The batch is taken in arrival order, so under a full
+batch every session still gets its turn. Runs on the event loop; the work itself runs on the
+model thread.
 """
 from __future__ import annotations
 
