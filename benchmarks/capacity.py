@@ -2,15 +2,16 @@
 
 For 1, 2, 4, 8 and 16 concurrent edge clients (separate processes, started together, each with
 its own prompts taken from MT-Bench, HumanEval and GSM8K in turn), every method the edge offers
-(split decoding with the edge's drafter, server-side speculation, the plain streaming API) runs
-against a server that batches the forwards of the sessions ready together (the default) and
-one started with `--batch-tokens 0` (one session per forward). Reported: aggregate and
-per-client tokens/s, p50/p95 time per token (a generation's time after its first token, per
-token), target forward passes and server CPU seconds per generated token (from the server's
-own metrics; a forward pass may carry several sessions' forwards). Greedy, so every prompt's answer must be the same in every configuration: the
-report counts the answers that differ (it must be 0).
+(split decoding with each edge drafter asked for, server-side speculation, the plain streaming
+API) runs against a server that batches the forwards of the sessions ready together (the
+default) and one started with `--batch-tokens 0` (one session per forward). Reported: aggregate
+and per-client tokens/s, p50/p95 time per token (a generation's time after its first token, per
+token), the sessions' forwards, the model's forward passes (one may carry several sessions'
+forwards) and server CPU seconds per generated token, from the server's own metrics. Greedy, so
+every prompt's answer must be the same in every configuration: the report counts the answers
+that differ (it must be 0).
 
-    python -m benchmarks.capacity --clients 1,2,4,8,16 --drafter moa
+    python -m benchmarks.capacity --clients 1,2,4,8,16 --drafters moa,aded
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", default="1,2,4,8,16")
     p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--drafter", default="moa", help="the edge's drafter for split decoding")
+    p.add_argument("--drafters", default="moa,aded",
+                   help="the edge drafters split decoding runs with, one method each")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--per-client", type=int, default=2, help="generations each client runs, "
                    "one after another")
@@ -59,8 +61,9 @@ async def _client(spec: dict) -> None:
     from edge_client.server_only import Mode
     from shared.messages import ChatMessage, Pace
 
-    options = ClientOptions(spec["drafter"], None, spec["max_new_tokens"],
-                            mode=Mode(spec["method"]), pace=Pace.AUTO)
+    mode, _, drafter = spec["method"].partition(":")
+    options = ClientOptions(drafter or "pld", None, spec["max_new_tokens"], mode=Mode(mode),
+                            pace=Pace.AUTO)
     async with EdgeClient(spec["address"], options) as client:
         await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
         for prompt in spec["prompts"]:
@@ -112,7 +115,7 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
     start_at = time.time() + START_DELAY_S
     procs = [subprocess.Popen(
         [sys.executable, "-m", "benchmarks.capacity", "--client", json.dumps({
-            "address": address, "method": method, "drafter": args.drafter, "prompts": mine,
+            "address": address, "method": method, "prompts": mine,
             "max_new_tokens": args.max_new_tokens, "start_at": start_at})],
         stdout=subprocess.PIPE, text=True) for mine in prompts]
     answers = []
@@ -137,7 +140,9 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
 
 def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
     counts = [int(n) for n in args.clients.split(",")]
-    methods = args.methods.split(",")
+    asked = args.methods.split(",")
+    methods = [f"split:{d}" for d in args.drafters.split(",") if "split" in asked]
+    methods += [m for m in asked if m != "split"]
     pool = [row["prompt"] for row in prompt_items(max(counts) * args.per_client)]
     cells, answers_of, differ = [], {}, 0
     for kind in SERVERS:
@@ -151,7 +156,7 @@ def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
                     for a in answers:
                         differ += answers_of.setdefault(a["prompt"], a["ids"]) != a["ids"]
                     cells.append(cell)
-                    log(f"{kind:9s} {method:11s} {n:2d} clients: {cell.tok_s:6.1f} tok/s, "
+                    log(f"{kind:9s} {method:12s} {n:2d} clients: {cell.tok_s:6.1f} tok/s, "
                         f"{cell.session_forwards:.2f} session forwards and "
                         f"{cell.forwards:.2f} forward passes per token, "
                         f"{cell.cpu_s * 1000:.0f} ms server CPU/token")
@@ -220,8 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     report = RESULTS / f"{args.name}.md"
     report.write_text(
         f"# {__doc__.splitlines()[0]}\n\n{machine()}; server and clients on this one machine. "
-        f"Split decoding's edge drafter: {args.drafter}; {args.per_client} generations of up "
-        f"to {args.max_new_tokens} tokens per client, greedy, over loopback.\n\n"
+        f"split:DRAFTER is split decoding with that edge drafter; {args.per_client} "
+        f"generations of up to {args.max_new_tokens} tokens per client, greedy, over "
+        f"loopback.\n\n"
         f"{table(cells)}\n\nAnswers that differ between configurations: {differ}\n")
     plot(cells, RESULTS / f"{args.name}.png")
     print(report.read_text())
