@@ -7,7 +7,8 @@ API) runs against a server that batches the forwards of the sessions ready toget
 default) and one started with `--batch-tokens 0` (one session per forward). Reported: aggregate
 and per-client tokens/s, p50/p95 time per token (a generation's time after its first token, per
 token), the sessions' forwards, the model's forward passes (one may carry several sessions'
-forwards) and server CPU seconds per generated token, from the server's own metrics. Greedy, so
+forwards) and server CPU seconds per generated token, from the server's own metrics, and the
+client processes' CPU seconds per token (they share this machine with the server). Greedy, so
 every prompt's answer must be the same in every configuration: the report counts the answers
 that differ (it must be 0).
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import resource
 import socket
 import subprocess
 import sys
@@ -89,7 +91,8 @@ class Cell:
     per_token_ms: list[float]
     forwards: float  # forward passes of the target per generated token
     session_forwards: float  # sessions' forwards (verifications, decoding steps) per token
-    cpu_s: float
+    cpu_s: float  # the server's CPU seconds per token
+    client_cpu_s: float  # the edge client processes' CPU seconds per token
 
     @property
     def tok_s(self) -> float:
@@ -112,6 +115,7 @@ def server(kind: str, metrics_port: int, sessions: int) -> Iterator[str]:
 def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: list[list[str]],
              args: argparse.Namespace) -> tuple[Cell, list[dict]]:
     before = server_metrics(metrics_port)
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start_at = time.time() + START_DELAY_S
     procs = [subprocess.Popen(
         [sys.executable, "-m", "benchmarks.capacity", "--client", json.dumps({
@@ -125,6 +129,9 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
             raise RuntimeError(f"a client failed ({method}, {kind}): exit {proc.returncode}")
         answers += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     after = server_metrics(metrics_port)
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the clients, all reaped now
+    client_cpu = (children.ru_utime + children.ru_stime
+                  - children_before.ru_utime - children_before.ru_stime)
     tokens = sum(len(a["ids"]) for a in answers)
     spent = {name: after[name] - before.get(name, 0.0)
              for name in ("splitdec_model_forwards_total", "splitdec_forwards_total",
@@ -134,7 +141,7 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
                 max(a["end"] for a in answers) - min(a["start"] for a in answers), per_token,
                 spent["splitdec_model_forwards_total"] / tokens,
                 spent["splitdec_forwards_total"] / tokens,
-                spent["process_cpu_seconds_total"] / tokens)
+                spent["process_cpu_seconds_total"] / tokens, client_cpu / tokens)
     return cell, answers
 
 
@@ -159,7 +166,8 @@ def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
                     log(f"{kind:9s} {method:12s} {n:2d} clients: {cell.tok_s:6.1f} tok/s, "
                         f"{cell.session_forwards:.2f} session forwards and "
                         f"{cell.forwards:.2f} forward passes per token, "
-                        f"{cell.cpu_s * 1000:.0f} ms server CPU/token")
+                        f"{cell.cpu_s * 1000:.0f} ms server and "
+                        f"{cell.client_cpu_s * 1000:.0f} ms client CPU/token")
     return cells, differ
 
 
@@ -180,11 +188,12 @@ def table(cells: list[Cell]) -> str:
                      "" if api is None else f"{c.session_forwards / api.session_forwards:.2f}x",
                      f"{c.forwards:.2f}",
                      "" if api is None else f"{c.forwards / api.forwards:.2f}x",
-                     f"{1000 * c.cpu_s:.0f}"])
+                     f"{1000 * c.cpu_s:.0f}", f"{1000 * c.client_cpu_s:.0f}"])
     return markdown_table(
         ["method", "server", "clients", "tok/s", "tok/s per client", "vs unbatched",
          "p50 ms/token", "p95 ms/token", "session forwards/token", "vs plain API",
-         "forward passes/token", "vs plain API", "server CPU ms/token"], rows)
+         "forward passes/token", "vs plain API", "server CPU ms/token",
+         "clients' CPU ms/token"], rows)
 
 
 def plot(cells: list[Cell], path) -> None:
