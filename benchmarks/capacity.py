@@ -212,8 +212,10 @@ def plot(cells: list[Cell], path) -> None:
                               label=f"{method}, {kind}")
             right.plot(xs, [c.forwards for c in mine], style, marker="o",
                        color=line.get_color())
-    for ax, label in ((left, "aggregate tokens/s"), (right, "target forwards per token")):
+    counts = sorted({c.clients for c in cells})
+    for ax, label in ((left, "aggregate tokens/s"), (right, "target forward passes per token")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts])
         ax.set_xlabel("concurrent edge clients")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)

@@ -33,12 +33,21 @@ def test_batch_with_missing_server_fails_cleanly(tmp_path):
 
 @pytest.mark.parametrize("args", [["--drafter", "nope"], ["--offline-policy", "hope"],
                                   ["--offline-limit", "0"], ["--reconnect-timeout", "-1"],
-                                  ["--draft-ahead", "-1"], ["--draft-ahead", "some"]])
+                                  ["--draft-ahead", "-1"], ["--draft-ahead", "some"],
+                                  ["--tls-cert", "edge.pem"]])
 def test_bad_arguments_exit_2(args):
     proc = subprocess.run(EDGE + ["--server", "x:1", *args, "hi"],
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()[-1:]) == 1
+
+
+@pytest.mark.parametrize("args", [["--batch-tokens", "-1"], ["--dtype", "fp8"]])
+def test_bad_server_arguments_exit_2(args):
+    proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", *args],
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("cloud-server: error:")
 
 
 # An edge-only install: the server's modules cannot be imported.
