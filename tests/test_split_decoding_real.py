@@ -104,3 +104,19 @@ def test_real_model_outage_mid_generation_loses_nothing(real_target, mode, outag
     assert compare(real_target, result.prompt_ids, result.output_ids, plain).lossless
     assert result.reconnects >= 1 and result.outage_s > 0.5
     assert result.corrected_tokens <= result.offline_tokens and not result.unverified_ids
+
+
+def test_real_sessions_batched_together_write_what_each_writes_alone(real_target):
+    """Chat prompts of different lengths from the three evaluation sets, verified together in
+    ragged forwards (server-side lookup trees of different sizes), each equal to its plain
+    greedy decoding."""
+    from shared.drafting.base import DrafterName
+    from tests.test_batching import run_together
+
+    requests = [OpenRequest(chat=(ChatMessage("user", p),), max_new_tokens=24)
+                for p in sample_prompts()[:4]]
+    together, most = run_together(real_target, requests, DrafterName.PLD)
+    assert most >= 3
+    for request, ids in zip(requests, together):
+        prompt = real_target.apply_chat_template(request.chat)
+        assert ids == plain_greedy(real_target, prompt, 24)
