@@ -176,16 +176,9 @@ class Batcher:
                 return
 
     def _round(self, tasks: list[_Task]) -> None:
-        """One forward on the model thread: starts new work, runs the ready jobs together,
-        then takes each of them on to its next forward or its end."""
-        for task in tasks:
-            if task.started:
-                continue
-            if task.future.done():  # its caller went away before it began: nothing to do
-                task.fail(asyncio.CancelledError())
-            else:
-                task.advance()
-        batch = self._pick([t for t in tasks if t.job is not None])
+        """One forward on the model thread: picks the ready jobs, runs them together, then
+        takes each of them on to its next forward or its end."""
+        batch = self._pick(tasks)
         if not batch:
             return
         start = time.perf_counter()
@@ -202,16 +195,25 @@ class Batcher:
         for task in batch:
             task.advance()
 
-    def _pick(self, ready: list[_Task]) -> list[_Task]:
-        """In arrival order, as many as fit in max_tokens (always the first)."""
-        if not self.batching:
-            return ready[:1]
+    def _pick(self, tasks: list[_Task]) -> list[_Task]:
+        """In arrival order, as many as fit in max_tokens (always the first). Work starts only
+        when its forward is about to run, so the time a session measures for its forward
+        (Verdict.verify_ms) does not include the forwards it waited for (batched, the one job
+        that does not fit waits one forward: its size is known only once it has started)."""
         picked: list[_Task] = []
         tokens = 0
-        for task in ready:
-            new = 0 if task.job is None else len(task.job.ids)
-            if picked and tokens + new > self.max_tokens:
+        for task in tasks:
+            if picked and not self.batching:
+                break
+            if not task.started:
+                if task.future.done():  # its caller went away before it began
+                    task.fail(asyncio.CancelledError())
+                    continue
+                task.advance()
+            if task.job is None:  # finished (or failed) without a forward
+                continue
+            if picked and tokens + len(task.job.ids) > self.max_tokens:
                 break
             picked.append(task)
-            tokens += new
+            tokens += len(task.job.ids)
         return picked

@@ -138,6 +138,28 @@ def test_without_batching_each_forward_runs_one_session(tiny_target):
     assert together == [alone(tiny_target, r, DrafterName.PLD) for r in requests]
 
 
+def test_work_starts_only_when_its_forward_runs(tiny_target):
+    """Unbatched, sessions queue for the model: each one's work (and the clock its Verdict's
+    verify_ms reads) starts with its own forward, not with the forwards it waits behind."""
+    forwards = [0]
+
+    def counted(_sessions: int, _tokens: int, _s: float) -> None:
+        forwards[0] += 1
+
+    def work():
+        before = forwards[0]
+        yield from tiny_target.prefill_jobs(tiny_target.new_cache(), [1, 5, 6, 7])
+        return forwards[0] - before
+
+    async def go() -> list[int]:
+        batcher = Batcher(ModelThread(), tiny_target, 0, counted)
+        try:
+            return list(await asyncio.gather(*(batcher.run(work()) for _ in range(3))))
+        finally:
+            batcher.model_thread.shutdown()
+    assert asyncio.run(go()) == [1, 1, 1]
+
+
 def test_a_forward_takes_no_more_new_tokens_than_its_budget(tiny_target):
     """A budget smaller than two sessions' steps: still one at a time, all finish."""
     requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=12) for p in prompts(3)]
