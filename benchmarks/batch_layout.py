@@ -23,8 +23,8 @@ from transformers import DynamicCache
 
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from cloud_server import model_store
+from cloud_server.calibrate import bushy_tree
 from cloud_server.target import ForwardJob, TargetModel, keep_path
-from shared.tree import DraftTree
 
 
 def parse_args() -> argparse.Namespace:
@@ -34,11 +34,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--nodes", default="1,8,32")
     p.add_argument("--repeat", type=int, default=5)
     return p.parse_args()
-
-
-def bushy(n: int, rng: np.random.Generator, vocab: int) -> DraftTree:
-    parents = tuple(-1 if i < 2 else int(rng.integers(-1, i)) for i in range(n))
-    return DraftTree(tuple(int(t) for t in rng.integers(100, vocab, n)), parents)
 
 
 @torch.inference_mode()
@@ -85,7 +80,7 @@ def measure(target: TargetModel, sessions: int, nodes: int, repeat: int) -> dict
     prompts = [[int(t) for t in rng.integers(100, vocab, int(n))]
                for n in np.linspace(100, 500, sessions)]
     caches = [target.prefill(p)[0] for p in prompts]
-    trees = [bushy(nodes, rng, vocab) for _ in prompts]
+    trees = [bushy_tree(nodes) for _ in prompts]
 
     def jobs() -> list[ForwardJob]:
         return [target.tree_job(c, p[-1], t) for c, p, t in zip(caches, prompts, trees)]

@@ -20,7 +20,6 @@ import argparse
 import contextlib
 import json
 import resource
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ import numpy as np
 
 from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
 from benchmarks.reliability import log, prompt_items, server_metrics
+from tests.cli_harness import free_port
 
 METHODS = ("split", "server-spec", "plain-api")
 SERVERS = {"batched": (), "unbatched": ("--batch-tokens", "0")}
@@ -97,12 +97,6 @@ class Cell:
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
