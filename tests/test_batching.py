@@ -92,9 +92,10 @@ def run_together(target, requests: list[OpenRequest], drafter: DrafterName | Non
     async def one(batcher: Batcher, request: OpenRequest) -> list[int]:
         session = await batcher.model_thread.run(Session, target, LIMITS, request)
         decoder = ServerDecoder(session, own_drafter(drafter, LIMITS), 0, ())
-        await batcher.run(decoder.prefilling())
+        await batcher.run(decoder.prefilling(), session.id)  # keyed, as the service does
         while not session.finished:
-            await batcher.run(decoder.stepping())
+            await batcher.run(decoder.stepping(), session.id)
+        batcher.forget(session.id)
         return session.committed[len(session.prompt_ids):]
 
     async def go() -> list[list[int]]:
