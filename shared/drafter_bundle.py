@@ -63,7 +63,9 @@ class MemoryIO:
 
 class StepIO:
     """The step graph's inputs (queries, their positions, the SA cache, the tree mask, the
-    memory) and outputs (logits, the top-k, the queries' own K/V)."""
+    memory) and outputs (logits, the top-k, the queries' own K/V). A recurrent drafter's graph
+    (config "recurrent") also takes each query's previous position's feature [q, width] and
+    returns the queries' own features [q, width], in the activations' space."""
 
     IDS = "ids"
     POSITIONS = "positions"
@@ -72,8 +74,18 @@ class StepIO:
     ALLOWED = "allowed"
     MEM_KEYS = MemoryIO.KEYS
     MEM_VALUES = MemoryIO.VALUES
+    FEATURES = "features"
     INPUTS = (IDS, POSITIONS, PAST_KEYS, PAST_VALUES, ALLOWED, MEM_KEYS, MEM_VALUES)
     OUTPUTS = ("logits", "top_logprobs", "top_ids", "keys", "values")
+    OWN_FEATURES = "own_features"
+
+    @staticmethod
+    def inputs(recurrent: bool) -> tuple[str, ...]:
+        return StepIO.INPUTS + (StepIO.FEATURES,) * recurrent
+
+    @staticmethod
+    def outputs(recurrent: bool) -> tuple[str, ...]:
+        return StepIO.OUTPUTS + (StepIO.OWN_FEATURES,) * recurrent
 
 
 @dataclass(frozen=True)
@@ -87,6 +99,11 @@ class BundleManifest:
     @property
     def memory(self) -> Memory:
         return Memory(self.config.get("memory", Memory.ACTIVATIONS.value))
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the drafter feeds its own features back (StepIO)."""
+        return bool(self.config.get("recurrent", False))
 
     def graph(self, precision: Precision, graph: Graph) -> str:
         if precision not in self.graphs:

@@ -39,13 +39,13 @@ def build_bundle(drafter_dir: Path, target: torch.nn.Module, model_id: str, out_
     embedding table dominates) and the int8 ones ~40 MB: offer only int8 to edges."""
     if not precisions:
         raise ValueError("a bundle needs at least one precision")
-    config, _, edge = load_drafter(drafter_dir, target)
+    config, server, edge = load_drafter(drafter_dir, target)
     out_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out_root, prefix=".building-"))
     try:
         quantized = Precision.INT8 in precisions
         with progress.bar(1 + quantized * len(Graph), "drafter bundle", unit="step") as shown:
-            export_edge(edge, staging, top_k)
+            export_edge(edge, staging, top_k, server)
             shown.update()
             for graph in Graph:
                 if quantized:

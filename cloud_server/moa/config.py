@@ -60,13 +60,17 @@ class MoaConfig:
     memory: Memory = Memory.ACTIVATIONS  # what the Cross-Attention reads
     server_input: ServerInput = ServerInput.LAYER_KV  # what the server half reads
     hidden_layers: tuple[int, ...] = ()  # decoder layers whose outputs it reads (hidden inputs)
+    # each query also reads the previous position's feature: the server's activation where it
+    # is verified, else the drafter's own output through the server half (EAGLE's recurrence)
+    recurrent: bool = False
     format_version: int = FORMAT_VERSION
 
     @classmethod
     def from_target(cls, config, intermediate: int | None = None,
                     lsa_intermediate: int | None = None, draft_vocab: int = 0,
                     lsa_stride: int = 2,
-                    server_input: ServerInput = ServerInput.LAYER_KV) -> "MoaConfig":
+                    server_input: ServerInput = ServerInput.LAYER_KV,
+                    recurrent: bool = False) -> "MoaConfig":
         """Sizes for any Llama-like transformers config (hidden_size, num_*_heads, ...).
 
         The LSA reads every `lsa_stride`-th layer counting down from the last: on this CPU the
@@ -88,7 +92,13 @@ class MoaConfig:
                    rope_theta=float(theta), rms_eps=float(config.rms_norm_eps),
                    draft_vocab=draft_vocab if 0 < draft_vocab < config.vocab_size else 0,
                    server_input=server_input,
-                   hidden_layers=server_input.hidden_layers(layers))
+                   hidden_layers=server_input.hidden_layers(layers), recurrent=recurrent)
+
+    def __post_init__(self) -> None:
+        if self.recurrent and (self.server_input is not ServerInput.LAST_HIDDEN
+                               or not self.uses_activations):
+            raise ValueError("a recurrent drafter reads the last layer's output (server input "
+                             "'last'): it feeds its own output back in the same place")
 
     @property
     def uses_activations(self) -> bool:

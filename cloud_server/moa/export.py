@@ -10,7 +10,9 @@ Two graphs, batch dimension dropped (the edge drafts one text):
   themselves), allowed: [q, p + q] bool (tree mask), mem_keys, mem_values -> logits:
   [q, head_size] (over the draft head's rows), top_logprobs: [q, top_k] (log q, normalised
   over the head), top_ids: [q, top_k] (target token ids), keys, values: [kv_heads, q, head_dim]
-  (the queries' own SA K/V, for the edge to keep or drop).
+  (the queries' own SA K/V, for the edge to keep or drop). A recurrent drafter's also takes
+  features: [q, width] (each query's previous position's feature) and returns own_features:
+  [q, width] (the queries' outputs through the server half, fed to their children).
 Knows nothing of how the edge builds trees. Uses torch's TorchScript-based exporter: it needs
 only `onnx`, where the dynamo exporter would pull in onnxscript.
 """
@@ -47,24 +49,32 @@ class MemoryGraph(nn.Module):
 
 
 class StepGraph(nn.Module):
-    def __init__(self, edge: EdgeHalf, top_k: int) -> None:
+    """`fusion` is the server half of a recurrent drafter (None otherwise): its own features
+    go through it, to the space of the activations it is fed where a position is verified."""
+
+    def __init__(self, edge: EdgeHalf, top_k: int, fusion: nn.Module | None = None) -> None:
         super().__init__()
-        self.edge, self.top_k = edge, top_k
+        self.edge, self.top_k, self.fusion = edge, top_k, fusion
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, past_keys: torch.Tensor,
                 past_values: torch.Tensor, allowed: torch.Tensor, mem_keys: torch.Tensor,
-                mem_values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                mem_values: torch.Tensor,
+                features: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """See the module docstring for shapes."""
-        keys, values = self.edge.sa_kv(ids[None], positions)  # [1, kvh, q, hd]
+        x = self.edge.inputs(ids[None], None if features is None else features[None])
+        keys, values = self.edge.sa_kv_of(x, positions)  # [1, kvh, q, hd]
         all_keys = torch.cat((past_keys[None], keys), dim=2)  # [1, kvh, p + q, hd]
         all_values = torch.cat((past_values[None], values), dim=2)  # [1, kvh, p + q, hd]
         mask = additive_mask(allowed)[None, None]  # [1, 1, q, p + q]
-        hidden = self.edge.hidden(ids[None], positions, all_keys, all_values, mask,
-                                  mem_keys[None], mem_values[None], None)  # [1, q, width]
-        logits = self.edge.logits(hidden[0])  # [q, head_size]
+        raw = self.edge.raw(x, positions, all_keys, all_values, mask, mem_keys[None],
+                            mem_values[None], None)  # [1, q, width]
+        logits = self.edge.logits(self.edge.normed(raw[0]))  # [q, head_size]
         top_logprobs, top_rows = logits.log_softmax(-1).topk(self.top_k, dim=-1)  # [q, k]
         top_ids = self.edge.vocab_ids[top_rows]  # [q, k]: target token ids
-        return logits, top_logprobs, top_ids, keys[0], values[0]
+        outputs = (logits, top_logprobs, top_ids, keys[0], values[0])
+        if self.fusion is None:
+            return outputs
+        return (*outputs, self.fusion(raw[0][:, None]))  # own features: [q, width]
 
 
 def example_inputs(edge: EdgeHalf) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -73,19 +83,27 @@ def example_inputs(edge: EdgeHalf) -> tuple[tuple[torch.Tensor, ...], tuple[torc
     q, p, m = 3, 5, 4
     rows = torch.randn(m, c.width) if c.uses_activations else torch.randint(0, c.vocab_size, (m,))
     memory = (rows, torch.arange(m))
-    step = (torch.randint(0, c.vocab_size, (q,)), torch.arange(p, p + q),
+    step: tuple[torch.Tensor, ...] = (torch.randint(0, c.vocab_size, (q,)), torch.arange(p, p + q),
             torch.randn(c.kv_heads, p, c.head_dim), torch.randn(c.kv_heads, p, c.head_dim),
             torch.ones(q, p + q, dtype=torch.bool), torch.randn(c.kv_heads, m, c.head_dim),
             torch.randn(c.kv_heads, m, c.head_dim))
+    if c.recurrent:
+        step += (torch.randn(q, c.width),)
     return memory, step
 
 
-def export_edge(edge: EdgeHalf, out: Path, top_k: int = TOP_K) -> None:
-    """Writes the fp32 memory and step graphs (shared/drafter_bundle.py) into `out`."""
+def export_edge(edge: EdgeHalf, out: Path, top_k: int = TOP_K,
+                fusion: nn.Module | None = None) -> None:
+    """Writes the fp32 memory and step graphs (shared/drafter_bundle.py) into `out`; a
+    recurrent drafter's step graph also holds its server half, `fusion`."""
+    if edge.config.recurrent and fusion is None:
+        raise ValueError("a recurrent drafter's step graph needs its server half")
     edge = edge.float().cpu().eval()
+    fusion = fusion.float().cpu().eval() if edge.config.recurrent and fusion else None
     memory_args, step_args = example_inputs(edge)
     out.mkdir(parents=True, exist_ok=True)
     rows = MemoryIO.rows(edge.config.memory)
+    recurrent = edge.config.recurrent
     with warnings.catch_warnings():  # the TorchScript exporter's deprecation notice
         warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(
@@ -95,16 +113,18 @@ def export_edge(edge: EdgeHalf, out: Path, top_k: int = TOP_K) -> None:
             dynamic_axes={rows: {0: "m"}, MemoryIO.POSITIONS: {0: "m"},
                           MemoryIO.KEYS: {1: "m"}, MemoryIO.VALUES: {1: "m"}})
         logits, top_logprobs, top_ids, keys, values = StepIO.OUTPUTS
+        axes = {StepIO.IDS: {0: "q"}, StepIO.POSITIONS: {0: "q"},
+                StepIO.PAST_KEYS: {1: "p"}, StepIO.PAST_VALUES: {1: "p"},
+                StepIO.ALLOWED: {0: "q", 1: "pq"}, StepIO.MEM_KEYS: {1: "m"},
+                StepIO.MEM_VALUES: {1: "m"}, logits: {0: "q"}, top_logprobs: {0: "q"},
+                top_ids: {0: "q"}, keys: {1: "q"}, values: {1: "q"},
+                StepIO.FEATURES: {0: "q"}, StepIO.OWN_FEATURES: {0: "q"}}
         torch.onnx.export(
-            StepGraph(edge, top_k), step_args, str(out / FILES[Graph.STEP]), dynamo=False,
-            opset_version=OPSET, input_names=list(StepIO.INPUTS),
-            output_names=list(StepIO.OUTPUTS),
-            dynamic_axes={StepIO.IDS: {0: "q"}, StepIO.POSITIONS: {0: "q"},
-                          StepIO.PAST_KEYS: {1: "p"}, StepIO.PAST_VALUES: {1: "p"},
-                          StepIO.ALLOWED: {0: "q", 1: "pq"}, StepIO.MEM_KEYS: {1: "m"},
-                          StepIO.MEM_VALUES: {1: "m"}, logits: {0: "q"},
-                          top_logprobs: {0: "q"}, top_ids: {0: "q"}, keys: {1: "q"},
-                          values: {1: "q"}})
+            StepGraph(edge, top_k, fusion), step_args, str(out / FILES[Graph.STEP]),
+            dynamo=False, opset_version=OPSET, input_names=list(StepIO.inputs(recurrent)),
+            output_names=list(StepIO.outputs(recurrent)),
+            dynamic_axes={k: v for k, v in axes.items()
+                          if k in StepIO.inputs(recurrent) + StepIO.outputs(recurrent)})
     for name in FILES.values():
         constants_to_initializers(out / name)
 

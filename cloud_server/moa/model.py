@@ -143,6 +143,11 @@ class EdgeHalf(nn.Module):
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=bool(c.draft_vocab))
         head = head.detach()[vocab_ids] if c.draft_vocab else head.detach()
         self.register_buffer("head", head, persistent=False)  # [head_size, width]
+        # recurrent: the previous position's feature joins each token's embedding; zero at
+        # first, so training starts from the drafter without it
+        self.feature_in = nn.Linear(c.width, c.width, bias=False) if c.recurrent else None
+        if self.feature_in is not None:
+            nn.init.zeros_(self.feature_in.weight)
 
     @classmethod
     def from_target(cls, config: MoaConfig, target: Any,
@@ -170,25 +175,51 @@ class EdgeHalf(nn.Module):
         [batch, kv_heads, m, hd]. Computed once per verified token and kept by the edge."""
         return self.ca.attn.project_kv(self.memory_norm(activations), positions)
 
-    def sa_kv(self, ids: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids: [batch, q] -> SA keys, values of these tokens: [batch, kv_heads, q, hd]"""
+    def inputs(self, ids: torch.Tensor, features: torch.Tensor | None) -> torch.Tensor:
+        """ids: [batch, q], features: [batch, q, width] (the previous positions' features, for
+        a recurrent drafter; None otherwise) -> the queries' input: [batch, q, width]"""
         x = self.embedding[ids]  # [batch, q, width]
+        if self.feature_in is None:
+            return x
+        if features is None:
+            raise ValueError("a recurrent drafter needs the previous positions' features")
+        return x + self.feature_in(features)
+
+    def sa_kv(self, ids: torch.Tensor, positions: torch.Tensor,
+              features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: [batch, q] -> SA keys, values of these tokens: [batch, kv_heads, q, hd]"""
+        return self.sa_kv_of(self.inputs(ids, features), positions)
+
+    def sa_kv_of(self, x: torch.Tensor,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [batch, q, width] from `inputs` -> SA keys, values: [batch, kv_heads, q, hd]"""
         return self.sa.attn.project_kv(self.sa.attn_norm(x), positions)
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, sa_keys: torch.Tensor,
                sa_values: torch.Tensor, sa_mask: torch.Tensor, mem_keys: torch.Tensor,
-               mem_values: torch.Tensor, ca_mask: torch.Tensor | None) -> torch.Tensor:
+               mem_values: torch.Tensor, ca_mask: torch.Tensor | None,
+               features: torch.Tensor | None = None) -> torch.Tensor:
         """The normed output of q query tokens.
 
         ids, positions: [batch, q]/[q]; sa_keys, sa_values: [batch, kv_heads, p, hd] including
         the queries' own (from `sa_kv`); sa_mask: [batch or 1, 1, q, p] additive;
         mem_keys, mem_values: [batch, kv_heads, m, hd]; ca_mask: [batch or 1, 1, q, m] or None
-        (every memory entry visible) -> [batch, q, width], the input of the LM head."""
-        x = self.embedding[ids]  # [batch, q, width]
+        (every memory entry visible); features: see `inputs` -> [batch, q, width], the input
+        of the LM head."""
+        return self.normed(self.raw(self.inputs(ids, features), positions, sa_keys, sa_values,
+                                    sa_mask, mem_keys, mem_values, ca_mask))
+
+    def raw(self, x: torch.Tensor, positions: torch.Tensor, sa_keys: torch.Tensor,
+            sa_values: torch.Tensor, sa_mask: torch.Tensor, mem_keys: torch.Tensor,
+            mem_values: torch.Tensor, ca_mask: torch.Tensor | None) -> torch.Tensor:
+        """The output before the final norm (what a recurrent drafter feeds back), from the
+        queries' inputs x: [batch, q, width] -> [batch, q, width]"""
         h = self.sa(x, positions, sa_keys, sa_values, sa_mask)  # [batch, q, width]
-        h = self.ca(h, positions, mem_keys, mem_values, ca_mask)  # [batch, q, width]
-        variance = h.pow(2).mean(-1, keepdim=True)  # [batch, q, 1]
+        return self.ca(h, positions, mem_keys, mem_values, ca_mask)  # [batch, q, width]
+
+    def normed(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's final norm: [..., width] -> [..., width]"""
+        variance = h.pow(2).mean(-1, keepdim=True)  # [..., 1]
         return h * torch.rsqrt(variance + self.config.rms_eps) * self.final_norm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -59,6 +59,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="also train the paper's Independent baseline on the same batches "
                         "(OUT/independent: the same network reading token embeddings, not "
                         "the target's activations)")
+    p.add_argument("--recurrent", action="store_true",
+                   help="the MoA drafter also reads the previous position's feature, its own "
+                        "output where it drafted that position (EAGLE's recurrence; server "
+                        "input 'last' only), trained as it drafts over --unroll passes")
+    p.add_argument("--unroll", type=positive, default=d.unroll,
+                   help="training-time test passes for --recurrent (default %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--snapshot-every", type=int, default=d.snapshot_every, metavar="N",
                    help="also write the weights every N steps to OUT/snapshots/step-N, for a "
@@ -66,7 +72,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars and no progress lines")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.recurrent and [i.value for i in args.server_input] != ["last"]:
+        p.error("--recurrent needs --server-input last: the drafter feeds its own output back "
+                "where the last layer's output goes")
+    return args
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
 
 
 def server_inputs(text: str) -> tuple:
@@ -111,6 +128,7 @@ def main(argv: list[str]) -> int:
                              draft_vocab=args.draft_vocab, checkpoint_every=args.checkpoint_every,
                              snapshot_every=args.snapshot_every,
                              server_inputs=args.server_input, independent=args.independent,
+                             recurrent=args.recurrent, unroll=args.unroll,
                              seed=args.seed)
     trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
     if args.resume and (args.out / CHECKPOINT).exists():

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from shared import progress
 from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
-from cloud_server.training.boundaries import causal_mask, cross_mask
+from cloud_server.training.boundaries import causal_mask, cross_mask, draw_boundaries
+from cloud_server.training.unroll import unrolled
 from torch import nn
 
 from cloud_server.layer_outputs import LayerOutputs
@@ -64,6 +65,8 @@ class TrainSettings:
     # one MoA student per input; the first is written to OUT, the others to OUT/<input>
     server_inputs: tuple[ServerInput, ...] = (ServerInput.LAST_HIDDEN,)
     independent: bool = False  # also train the Independent baseline (written to OUT/independent)
+    recurrent: bool = False  # MoA students feed their own output back (input 'last' only)
+    unroll: int = 4  # passes of the training-time test for a recurrent student (unroll.py)
     checkpoint_every: int = 50
     snapshot_every: int = 0  # also write every student's weights to OUT/snapshots/step-N (0: off)
     seed: int = 0
@@ -166,11 +169,12 @@ class Trainer:
         if not settings.server_inputs:
             raise ValueError("train at least one MoA student (server_inputs)")
         configs = [MoaConfig.from_target(target.config, draft_vocab=settings.draft_vocab,
-                                         server_input=server_input)
+                                         server_input=server_input,
+                                         recurrent=settings.recurrent)
                    for server_input in settings.server_inputs]
         self.config = configs[0]
         if settings.independent:
-            configs.append(replace(self.config, memory=Memory.EMBEDDINGS))
+            configs.append(replace(self.config, memory=Memory.EMBEDDINGS, recurrent=False))
         vocab_ids = None
         if self.config.draft_vocab:
             vocab_ids = rank_vocab(samples, self.config.draft_vocab, stop_ids,
@@ -226,13 +230,19 @@ class Trainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         teacher_pass = teacher(self.target, batch, [s.config for s in self.students])
         length = batch.ids.shape[1]
-        ca = cross_mask(batch.prompt_lens, length, self.generator).to(self.device)
-        sa = causal_mask(length).to(self.device)
+        boundary = draw_boundaries(batch.prompt_lens, length, self.generator).to(self.device)
+        ca, sa = cross_mask(boundary), causal_mask(length).to(self.device)
         total = torch.zeros((), device=self.device)
         stats: dict[str, float] = {}
         target_hidden = teacher_pass.target_hidden[batch.select]  # [n, width]
         for student in self.students:
-            hidden = student.edge(batch.ids, student.memory(batch.ids, teacher_pass), sa, ca)
+            memory = student.memory(batch.ids, teacher_pass)
+            if student.config.recurrent:
+                assert student.server is not None
+                hidden = unrolled(student.edge, student.server, batch.ids, memory, boundary,
+                                  self.settings.unroll)
+            else:
+                hidden = student.edge(batch.ids, memory, sa, ca)
             loss, own = distill_loss(student.edge, hidden[batch.select], target_hidden,
                                      self.settings)
             total = total + loss

@@ -78,6 +78,7 @@ class MoaDrafter:
         # the Independent baseline: memory rows are the verified tokens, fed by propose itself
         self.memory = manifest.memory
         self.needs_activations = self.memory is Memory.ACTIVATIONS
+        self.recurrent = manifest.recurrent
         self.max_depth, self.beam = max_depth, beam
         self.branch = min(branch, manifest.top_k)
         self.lookup_nodes = lookup_nodes
@@ -99,6 +100,11 @@ class MoaDrafter:
         self._mem_keys = self._empty()  # [kv_heads, verified, hd]
         self._mem_values = self._empty()
         self._mem_ids: list[int] = []  # the tokens in the memory, without activations
+        # recurrent: the verified activations (the features of those positions), each cached
+        # position's own feature, and how many leading cached positions read verified ones
+        self._rows = np.zeros((0, self.width), dtype=np.float32)  # [verified, width]
+        self._own = np.zeros((0, self.width), dtype=np.float32)  # [len(_context), width]
+        self._exact = 0
 
     @property
     def verified(self) -> int:
@@ -115,7 +121,11 @@ class MoaDrafter:
                              "positions are verified: one verdict's activations are missing")
         if activations.ndim != 2 or activations.shape[1] != self.width:
             raise ValueError(f"activations must be [n, {self.width}], got {activations.shape}")
-        self._remember(start, np.ascontiguousarray(activations, dtype=np.float32))
+        rows = np.ascontiguousarray(activations, dtype=np.float32)
+        self._remember(start, rows)
+        if self.recurrent:
+            self._rows = np.concatenate((self._rows[:start], rows))
+            self._exact = min(self._exact, start + 1)
 
     def _remember(self, start: int, rows: np.ndarray) -> None:
         """Keeps memory positions < start and appends the K/V of `rows` after them."""
@@ -126,11 +136,13 @@ class MoaDrafter:
         self._mem_values = np.concatenate((self._mem_values[:, :start], values), axis=1)
 
     def _run_step(self, ids: np.ndarray, positions: np.ndarray, past_keys: np.ndarray,
-                  past_values: np.ndarray, allowed: np.ndarray) -> list[np.ndarray]:
-        """The step graph (shared/drafter_bundle.py StepIO) against the current memory."""
+                  past_values: np.ndarray, allowed: np.ndarray,
+                  features: np.ndarray | None) -> list[np.ndarray]:
+        """The step graph (shared/drafter_bundle.py StepIO) against the current memory;
+        `features` [q, width] for a recurrent drafter, else None."""
         inputs = (ids, positions, past_keys, past_values, allowed, self._mem_keys,
-                  self._mem_values)
-        return self._step.run(None, dict(zip(StepIO.INPUTS, inputs)))
+                  self._mem_values) + ((features,) if self.recurrent else ())
+        return self._step.run(None, dict(zip(StepIO.inputs(self.recurrent), inputs)))
 
     def _remember_tokens(self, context: Sequence[int]) -> None:
         """Self-fed memory: every committed token but the last, as activations would cover."""
@@ -194,17 +206,55 @@ class MoaDrafter:
         """Brings the SA cache to `context` and returns the top children of its last token.
 
         Keeps the longest common prefix (a rewind drops the rest) but always re-runs at least
-        the last token, whose outputs are the first level of the tree."""
+        the last token, whose outputs are the first level of the tree. A recurrent drafter also
+        re-runs the positions it computed from its own features where verified ones have come
+        since, and runs positions past the verified ones one at a time, each reading the
+        previous one's own feature."""
         keep = _common_prefix(self._context, context[:-1])
-        past_keys, past_values = self._sa_keys[:, :keep], self._sa_values[:, :keep]
-        new = np.asarray(context[keep:], dtype=np.int64)  # [q]
-        allowed = np.tril(np.ones((len(new), keep + len(new)), dtype=bool), k=keep)
-        _, top_logprobs, top_ids, keys, values = self._run_step(
-            new, np.arange(keep, len(context), dtype=np.int64), past_keys, past_values, allowed)
-        self._context = list(context)
-        self._sa_keys = np.concatenate((past_keys, keys), axis=1)
-        self._sa_values = np.concatenate((past_values, values), axis=1)
+        if self.recurrent and self._exact < min(keep, self.verified + 1):
+            keep = self._exact
+        self._context = list(context[:keep])
+        self._sa_keys, self._sa_values = self._sa_keys[:, :keep], self._sa_values[:, :keep]
+        self._own = self._own[:keep]
+        self._exact = min(self._exact, keep)
+        together = len(context) if not self.recurrent else max(keep + 1, min(
+            len(context), self.verified + 1))
+        top = self._extend(context[keep:together])
+        for token in context[together:]:
+            top = self._extend([token])
+        return top
+
+    def _extend(self, tokens: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Runs `tokens` after the cached context in one step; the last one's top children."""
+        start = len(self._context)
+        new = np.asarray(tokens, dtype=np.int64)  # [q]
+        allowed = np.tril(np.ones((len(new), start + len(new)), dtype=bool), k=start)
+        outputs = self._run_step(new, np.arange(start, start + len(new), dtype=np.int64),
+                                 self._sa_keys, self._sa_values, allowed,
+                                 self._context_features(start, len(new)))
+        _, top_logprobs, top_ids, keys, values = outputs[:5]
+        self._context += tokens
+        self._sa_keys = np.concatenate((self._sa_keys, keys), axis=1)
+        self._sa_values = np.concatenate((self._sa_values, values), axis=1)
+        if self.recurrent:
+            self._own = np.concatenate((self._own, outputs[5]))
+            if self._exact == start:
+                self._exact = min(len(self._context), self.verified + 1)
         return top_logprobs[-1], top_ids[-1]
+
+    def _context_features(self, start: int, count: int) -> np.ndarray | None:
+        """The previous positions' features of context positions start .. start + count - 1:
+        verified where there are, else this drafter's own (already in `_own`); None when the
+        drafter is not recurrent."""
+        if not self.recurrent:
+            return None
+        rows = np.zeros((count, self.width), dtype=np.float32)
+        for row, position in enumerate(range(start, start + count)):
+            if 0 < position <= self.verified:
+                rows[row] = self._rows[position - 1]
+            elif position > 0:
+                rows[row] = self._own[position - 1]
+        return rows
 
     def _frontier(self, nodes: _Candidates, depth: int, max_nodes: int) -> list[int]:
         """The best `beam` nodes at `depth`, if any of their children could still make the
@@ -216,37 +266,44 @@ class MoaDrafter:
                 or len(nodes.scores) < max_nodes]
 
     def _expander(self, context: Sequence[int]) -> Expand:
-        """One round's `Expand`: it keeps the round's K/V ([kv_heads, slots, hd]) and each
-        expanded node's row in it."""
+        """One round's `Expand`: it keeps the round's K/V ([kv_heads, slots, hd]), a recurrent
+        drafter's own features ([slots, width]) and each expanded node's row in them."""
         keys, values = self._empty(), self._empty()
+        features = np.zeros((0, self.width), dtype=np.float32)
 
         def expand(nodes: _Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
-            nonlocal keys, values
-            top_logprobs, top_ids, new_keys, new_values = self._step_frontier(
-                context, nodes, frontier, keys, values)
+            nonlocal keys, values, features
+            parents = None if not self.recurrent else np.asarray(
+                [self._own[-1] if nodes.parents[node] == ROOT
+                 else features[nodes.slots[nodes.parents[node]]] for node in frontier])
+            outputs = self._step_frontier(context, nodes, frontier, keys, values, parents)
+            top_logprobs, top_ids, new_keys, new_values = outputs[:4]
             for row, node in enumerate(frontier):
                 nodes.slots[node] = keys.shape[1] + row
             keys = np.concatenate((keys, new_keys), axis=1)
             values = np.concatenate((values, new_values), axis=1)
+            if self.recurrent:
+                features = np.concatenate((features, outputs[4]))
             return top_logprobs, top_ids
 
         return expand
 
     def _step_frontier(self, context: Sequence[int], nodes: _Candidates, frontier: list[int],
-                       keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, ...]:
-        """One step over the frontier nodes under the tree mask: their top children and K/V."""
+                       keys: np.ndarray, values: np.ndarray,
+                       features: np.ndarray | None) -> list[np.ndarray]:
+        """One step over the frontier nodes under the tree mask: their top children, K/V and
+        (recurrent) own features."""
         base, slots, q = len(context), keys.shape[1], len(frontier)
         allowed = np.zeros((q, base + slots + q), dtype=bool)  # [q, base + slots + q]
         allowed[:, :base] = True
         for row, node in enumerate(frontier):
             allowed[row, [base + nodes.slots[a] for a in nodes.ancestors(node)]] = True
             allowed[row, base + slots + row] = True
-        _, top_logprobs, top_ids, new_keys, new_values = self._run_step(
+        return self._run_step(
             np.array([nodes.tokens[i] for i in frontier], dtype=np.int64),
             np.array([base + nodes.depths[i] for i in frontier], dtype=np.int64),
             np.concatenate((self._sa_keys, keys), axis=1),
-            np.concatenate((self._sa_values, values), axis=1), allowed)
-        return top_logprobs, top_ids, new_keys, new_values
+            np.concatenate((self._sa_values, values), axis=1), allowed, features)[1:]
 
 
 # frontier nodes -> their top children: log q [len(frontier), k] and token ids [len(frontier), k]
