@@ -15,6 +15,10 @@ from enum import Enum
 from typing import Any
 
 BUNDLE_FORMAT = 1
+# a recurrent drafter's step graph takes and returns features (StepIO): an edge that predates
+# it must refuse the bundle by its format rather than fail at its first draft
+RECURRENT_FORMAT = 2
+FORMATS = (BUNDLE_FORMAT, RECURRENT_FORMAT)
 MANIFEST_NAME = "bundle.json"
 TOKENIZER_NAME = "tokenizer.json"
 
@@ -112,7 +116,8 @@ class BundleManifest:
         return self.graphs[precision][graph]
 
     def to_json(self) -> str:
-        data = {"format": BUNDLE_FORMAT, "model_id": self.model_id, "top_k": self.top_k,
+        data = {"format": RECURRENT_FORMAT if self.recurrent else BUNDLE_FORMAT,
+                "model_id": self.model_id, "top_k": self.top_k,
                 "config": self.config, "files": self.files,
                 "graphs": {p.value: {g.value: name for g, name in files.items()}
                            for p, files in self.graphs.items()}}
@@ -124,9 +129,9 @@ class BundleManifest:
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise BundleError(f"drafter bundle manifest is not JSON: {err}") from None
-        if not isinstance(data, dict) or data.get("format") != BUNDLE_FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in FORMATS:
             found = data.get("format") if isinstance(data, dict) else None
-            raise BundleError(f"drafter bundle format {found} is not {BUNDLE_FORMAT}: update "
+            raise BundleError(f"drafter bundle format {found} is not one of {FORMATS}: update "
                               "the edge client")
         try:
             graphs = {Precision(p): {Graph(g): name for g, name in files.items()}

@@ -84,6 +84,8 @@ def test_edge_drafts_equal_the_torch_drafter(tiny_target, tiny_recurrent_dir,
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts)
     assert drafter.recurrent
+    # an edge that cannot feed features refuses the bundle by its format
+    assert '"format": 2' in (tiny_recurrent_bundle / "bundle.json").read_text()
     for context in (PROMPT + [30], PROMPT + [30, 31, 32]):
         tree = drafter.propose(context, max_nodes=5)
         assert tree == DraftTree.chain(tree.tokens) and len(tree) == 5

@@ -23,13 +23,17 @@ from cloud_server.moa.layers import additive_mask
 from cloud_server.moa.model import EdgeHalf
 
 
-def unrolled(edge: EdgeHalf, fusion: nn.Module, ids: torch.Tensor, activations: torch.Tensor,
-             boundary: torch.Tensor, passes: int) -> torch.Tensor:
-    """The normed outputs a recurrent drafter gives while drafting.
+def unrolled(edge: EdgeHalf, fusion: nn.Module | None, ids: torch.Tensor,
+             activations: torch.Tensor, boundary: torch.Tensor, passes: int) -> torch.Tensor:
+    """The normed outputs a drafter gives while drafting.
 
-    ids: [b, T]; activations: [b, T, width], the server half's output of every position;
-    boundary: [b, T], b(i) the last verified position before i (boundaries.py);
-    passes: >= 1 -> [b, T, width], position i from pass min(i - b(i), passes)."""
+    ids: [b, T]; activations: [b, T, width], the CA memory rows of every position (the server
+    half's output); fusion: the server half of a recurrent drafter, which its own outputs go
+    through; boundary: [b, T], b(i) the last verified position before i (boundaries.py);
+    passes: >= 1 -> [b, T, width], position i from pass min(i - b(i), passes). A drafter that
+    is not recurrent needs one pass whatever the distance."""
+    if edge.feature_in is None or fusion is None:
+        passes = 1
     length = ids.shape[1]
     positions = torch.arange(length, device=ids.device)  # [T]
     distance = positions[None] - boundary  # [b, T], >= 1
@@ -52,6 +56,7 @@ def unrolled(edge: EdgeHalf, fusion: nn.Module, ids: torch.Tensor, activations: 
         take = distance == k if k < passes else distance >= k  # [b, T]
         out = torch.where(take[..., None], h, out)
         if k < passes:
+            assert fusion is not None
             own = _previous(fusion(h[..., None, :]))  # [b, T, width]
             x = edge.inputs(ids, torch.where((distance <= 1)[..., None], verified, own))
     return edge.normed(out)
