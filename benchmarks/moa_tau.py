@@ -102,9 +102,12 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(bundle / manifest.graph(precision, Graph.STEP)), options)
     kv = np.zeros((c["kv_heads"], context, c["head_dim"]), dtype=np.float32)
-    inputs = (np.arange(queries, dtype=np.int64) + 100, np.full(queries, context, dtype=np.int64),
-              kv, kv, np.ones((queries, context + queries), dtype=bool), kv, kv)
-    feed = dict(zip(StepIO.INPUTS, inputs))
+    inputs: tuple[np.ndarray, ...] = (
+        np.arange(queries, dtype=np.int64) + 100, np.full(queries, context, dtype=np.int64),
+        kv, kv, np.ones((queries, context + queries), dtype=bool), kv, kv)
+    if manifest.recurrent:
+        inputs += (np.zeros((queries, c["width"]), dtype=np.float32),)
+    feed = dict(zip(StepIO.inputs(manifest.recurrent), inputs))
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
