@@ -3,8 +3,8 @@ from the last verified position: the depth of a draft.
 
 The target answers evaluation prompts greedily (never trained on); each answer then runs through
 every drafter with the verified boundary held at distance d from every position, exactly as
-the drafter computes a draft d tokens past its last activation (a recurrent drafter reads its
-own outputs there: cloud_server/training/unroll.py, with d passes). A drafter that uses the
+the drafter computes a draft d tokens past its last activation (cloud_server/training/unroll.py:
+a recurrent drafter reads its own outputs there). A drafter that uses the
 target's states should be best at d = 1 and decay with d; one that does not is flat.
 
     python -m benchmarks.drafter_agreement --drafters last=DIR,recurrent=DIR2 [--per-set 3]
@@ -77,10 +77,9 @@ def agreement(target, directory: Path, samples: list, distances: int
         wanted = edge.logits(taught.target_hidden[0]).argmax(-1)  # [T]: in the draft head
         positions = torch.arange(batch.ids.shape[1])
         prompt_len = batch.prompt_lens[0]
-        for d in range(1, distances + 1):
-            boundary = torch.maximum(positions - d, torch.tensor(prompt_len - 1))[None]
-            hidden = unrolled(edge, server, batch.ids, memory, boundary, passes=d)[0]
-            top = edge.logits(hidden).topk(TOP_K, -1).indices  # [T, k]
+        depths = unrolled(edge, server, batch.ids, memory, passes=distances)
+        for d, hidden in enumerate(depths, start=1):
+            top = edge.logits(hidden[0]).topk(TOP_K, -1).indices  # [T, k]
             real = batch.select[0] & (positions - d >= prompt_len - 1)  # [T]: truly at d
             counts[d - 1] += torch.tensor([float((top[:, 0] == wanted)[real].sum()),
                                            float((top == wanted[:, None]).any(-1)[real].sum()),

@@ -52,23 +52,20 @@ def drafter_parts(tiny_target, tiny_recurrent_dir):
 
 
 def test_training_passes_equal_drafting_step_by_step(tiny_target, tiny_recurrent_dir):
-    """Positions up to `passes` past the boundary come out of unrolled() exactly as the
-    drafter computes them while drafting; without the passes (teacher forcing) they do not."""
+    """Pass k of unrolled() gives each position what the drafter computes while drafting it
+    at depth k; teacher forcing (pass 1 read at depth k) does not."""
     edge, fusion, _ = drafter_parts(tiny_target, tiny_recurrent_dir)
     torch.manual_seed(0)
     ids = PROMPT + [30, 31, 32, 33, 34, 35]
     acts = torch.randn(len(ids), edge.config.width)
-    verified = len(PROMPT) + 1  # positions 0..5 verified; 6.. drafted
-    positions = torch.arange(len(ids))
-    boundary = torch.minimum(positions - 1, torch.tensor(verified - 1))[None]  # [1, T]
+    verified = len(PROMPT) + 1  # positions 0..5 verified; 6 is the round's first, 7.. drafted
     want = stepped(edge, fusion, ids, acts, verified)
     with torch.no_grad():
-        got = unrolled(edge, fusion, torch.tensor([ids]), acts[None], boundary, passes=4)[0]
-        forced = unrolled(edge, fusion, torch.tensor([ids]), acts[None], boundary, passes=1)[0]
-    exact = verified + 3  # distances 1..4 (the reference lets earlier positions see all memory)
-    torch.testing.assert_close(got[verified:exact + 1], want[verified:exact + 1], atol=1e-4,
-                               rtol=1e-4)
-    assert not torch.allclose(forced[exact], want[exact], atol=1e-3)
+        depths = unrolled(edge, fusion, torch.tensor([ids]), acts[None], passes=4)
+    for k, got in enumerate(depths, start=1):
+        torch.testing.assert_close(got[0, verified + k - 1], want[verified + k - 1], atol=1e-4,
+                                   rtol=1e-4)
+    assert not torch.allclose(depths[0][0, verified + 3], want[verified + 3], atol=1e-3)
 
 
 def test_edge_drafts_equal_the_torch_drafter(tiny_target, tiny_recurrent_dir,

@@ -62,9 +62,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--recurrent", action="store_true",
                    help="the MoA drafter also reads the previous position's feature, its own "
                         "output where it drafted that position (EAGLE's recurrence; server "
-                        "input 'last' only), trained as it drafts over --unroll passes")
+                        "input 'last' only), trained as it drafts (--unroll)")
     p.add_argument("--unroll", type=positive, default=d.unroll,
-                   help="training-time test passes for --recurrent (default %(default)s)")
+                   help="--recurrent: the draft depths it trains at, one pass each "
+                        "(default %(default)s)")
+    p.add_argument("--depth-weight", type=float, default=d.depth_weight,
+                   help="--recurrent: depth k's loss weighs this to the power k - 1 "
+                        "(default %(default)s)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--snapshot-every", type=int, default=d.snapshot_every, metavar="N",
                    help="also write the weights every N steps to OUT/snapshots/step-N, for a "
@@ -129,6 +133,7 @@ def main(argv: list[str]) -> int:
                              snapshot_every=args.snapshot_every,
                              server_inputs=args.server_input, independent=args.independent,
                              recurrent=args.recurrent, unroll=args.unroll,
+                             depth_weight=args.depth_weight,
                              seed=args.seed)
     trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
     if args.resume and (args.out / CHECKPOINT).exists():

@@ -12,6 +12,9 @@ over answer positions, where p and q are the target's and the drafter's next-tok
 distributions through the same shared head (the paper weighs its cross-entropy 0.1 and its
 feature loss 1; here both weigh 1 by default because acceptance is judged on the argmax).
 
+A recurrent student (`recurrent`) is trained as it drafts instead (unroll.py): its loss is the
+mean over draft depths 1 .. `unroll` of the same loss, every answer position at every depth.
+
 `server_inputs` lists one MoA student per server-half input, and with `independent` the paper's
 "Independent" baseline trains alongside: the same edge network whose Cross-Attention reads the
 verified tokens' own embeddings instead of the server half's activations (Memory.EMBEDDINGS).
@@ -66,7 +69,8 @@ class TrainSettings:
     server_inputs: tuple[ServerInput, ...] = (ServerInput.LAST_HIDDEN,)
     independent: bool = False  # also train the Independent baseline (written to OUT/independent)
     recurrent: bool = False  # MoA students feed their own output back (input 'last' only)
-    unroll: int = 4  # passes of the training-time test for a recurrent student (unroll.py)
+    unroll: int = 4  # draft depths a recurrent student trains at, one pass each (unroll.py)
+    depth_weight: float = 1.0  # depth k's loss weighs depth_weight ** (k - 1)
     checkpoint_every: int = 50
     snapshot_every: int = 0  # also write every student's weights to OUT/snapshots/step-N (0: off)
     seed: int = 0
@@ -126,6 +130,26 @@ def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tens
     top1 = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
     return loss, {"loss": loss.item(), "kl": kl.item(), "feature": feature.item(),
                   "top1": top1.item()}
+
+
+def depth_losses(student: "Student", batch: Batch, memory: torch.Tensor,
+                 target_hidden: torch.Tensor, settings: TrainSettings
+                 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """A recurrent student's loss at draft depths 1 .. settings.unroll (unroll.py), each over
+    the answer positions whose last verified position k back is past the prompt; stats are
+    the depths' means, with the deepest depth's top-1 as `top1_deep`."""
+    outputs = unrolled(student.edge, student.server, batch.ids, memory, settings.unroll)
+    positions = torch.arange(batch.ids.shape[1], device=batch.ids.device)[None]  # [1, T]
+    prompt = torch.tensor(batch.prompt_lens, device=batch.ids.device)[:, None]  # [b, 1]
+    weights = [settings.depth_weight ** k for k in range(len(outputs))]
+    total = torch.zeros((), device=batch.ids.device)
+    stats: dict[str, float] = {}
+    for k, (output, weight) in enumerate(zip(outputs, weights), start=1):
+        valid = batch.select & (positions - k >= prompt - 1)  # [b, T]
+        loss, own = distill_loss(student.edge, output[valid], target_hidden[valid], settings)
+        total = total + loss * weight / sum(weights)
+        stats = {name: stats.get(name, 0.0) + value / len(outputs) for name, value in own.items()}
+    return total, stats | {"loss": total.item(), "top1_deep": own["top1"]}
 
 
 @dataclass
@@ -238,13 +262,12 @@ class Trainer:
         for student in self.students:
             memory = student.memory(batch.ids, teacher_pass)
             if student.config.recurrent:
-                assert student.server is not None
-                hidden = unrolled(student.edge, student.server, batch.ids, memory, boundary,
-                                  self.settings.unroll)
+                loss, own = depth_losses(student, batch, memory, teacher_pass.target_hidden,
+                                         self.settings)
             else:
                 hidden = student.edge(batch.ids, memory, sa, ca)
-            loss, own = distill_loss(student.edge, hidden[batch.select], target_hidden,
-                                     self.settings)
+                loss, own = distill_loss(student.edge, hidden[batch.select], target_hidden,
+                                         self.settings)
             total = total + loss
             prefix = student.name + "_" if student.name else ""
             stats |= {prefix + k: v for k, v in own.items()}

@@ -4,15 +4,17 @@ section 3.3; HASS, Zhang et al. 2024).
 A recurrent drafter (MoaConfig.recurrent) reads, with each token, the previous position's
 feature: the server's activation where that position is verified, its own output through the
 server half where it drafted it. Teacher forcing would always hand it the server's, so it would
-never learn from its own. Here the sequence runs through the edge half in passes: pass 1 feeds
-the server's activations everywhere, which is exact for the positions right after a verified
-boundary (distance 1: the first draft of a round); pass k feeds every position past its boundary
-its own output of pass k - 1, which is exact at distance k. Each position's loss is taken from
-the pass that matches its distance, the last pass standing in for every distance beyond it.
+never learn from its own. Here the sequence runs through the edge half in passes, and pass k
+puts every position at draft depth k: its last verified position is k back, the position after
+that (the round's last committed token) reads the verified feature, and the k - 1 positions
+after that read the drafter's own outputs, of passes 1 .. k - 1 (pass m's output at a position
+is the feature its successor reads in pass m + 1). Every position thus trains at every depth up
+to the number of passes, as many losses per target pass.
 
-Self-Attention keys, as the edge keeps them (edge_client/drafters/moa.py): a query at distance
-d sees the positions up to its boundary + 1 computed from verified features (the edge recomputes
-them when the activations arrive) and the positions drafted after that from its own.
+Self-Attention keys follow the same chain: a query at depth k sees the verified-feature keys up
+to its round's first position and, after it, the keys of its own chain, one from each pass
+(the diagonal), which is what the edge holds while drafting (edge_client/drafters/moa.py).
+A drafter that is not recurrent gets the same depths from the masks alone.
 """
 from __future__ import annotations
 
@@ -24,42 +26,40 @@ from cloud_server.moa.model import EdgeHalf
 
 
 def unrolled(edge: EdgeHalf, fusion: nn.Module | None, ids: torch.Tensor,
-             activations: torch.Tensor, boundary: torch.Tensor, passes: int) -> torch.Tensor:
-    """The normed outputs a drafter gives while drafting.
+             activations: torch.Tensor, passes: int) -> list[torch.Tensor]:
+    """The normed outputs a drafter gives at draft depths 1 .. `passes`.
 
     ids: [b, T]; activations: [b, T, width], the CA memory rows of every position (the server
     half's output); fusion: the server half of a recurrent drafter, which its own outputs go
-    through; boundary: [b, T], b(i) the last verified position before i (boundaries.py);
-    passes: >= 1 -> [b, T, width], position i from pass min(i - b(i), passes). A drafter that
-    is not recurrent needs one pass whatever the distance."""
-    if edge.feature_in is None or fusion is None:
-        passes = 1
-    length = ids.shape[1]
-    positions = torch.arange(length, device=ids.device)  # [T]
-    distance = positions[None] - boundary  # [b, T], >= 1
-    verified = _previous(activations)  # [b, T, width]: row i holds position i - 1's activation
-    true_x = edge.inputs(ids, verified)  # [b, T, width]
-    true_keys, true_values = edge.sa_kv_of(true_x, positions)
+    through (None for a drafter that is not recurrent) -> one [b, T, width] per depth k:
+    position i drafted with i - k its last verified position (rows with i < k are
+    meaningless)."""
+    positions = torch.arange(ids.shape[1], device=ids.device)  # [T]
+    x = edge.inputs(ids, _previous(activations))  # [b, T, width]: verified features
+    keys, values = edge.sa_kv_of(x, positions)
     mem_keys, mem_values = edge.memory_kv(activations, positions)
-    ca_mask = additive_mask(positions[None, None, :] <= boundary[:, :, None])[:, None]
-    causal = positions[None, :] <= positions[:, None]  # [T, T]
-    from_verified = positions[None, None, :] <= boundary[:, :, None] + 1  # [b, T, T]
-    sa_mask = additive_mask(torch.cat((causal & from_verified, causal & ~from_verified),
-                                      dim=-1))[:, None]  # [b, 1, T, 2T]
-    out = torch.zeros_like(activations)
-    x = true_x
+    outputs, h = [], x  # h: the previous pass's output, before the final norm
     for k in range(1, passes + 1):
-        keys, values = edge.sa_kv_of(x, positions)
-        h = edge.raw(x, positions, torch.cat((true_keys, keys), dim=2),
-                     torch.cat((true_values, values), dim=2), sa_mask, mem_keys, mem_values,
-                     ca_mask)  # [b, T, width]
-        take = distance == k if k < passes else distance >= k  # [b, T]
-        out = torch.where(take[..., None], h, out)
-        if k < passes:
-            assert fusion is not None
-            own = _previous(fusion(h[..., None, :]))  # [b, T, width]
-            x = edge.inputs(ids, torch.where((distance <= 1)[..., None], verified, own))
-    return edge.normed(out)
+        if k > 1:
+            own = _previous(fusion(h[..., None, :])) if fusion is not None else None
+            x = edge.inputs(ids, own)
+            new_keys, new_values = edge.sa_kv_of(x, positions)
+            keys, values = torch.cat((keys, new_keys), 2), torch.cat((values, new_values), 2)
+        boundary = positions - k  # [T]: the last verified position of each query
+        ca_mask = additive_mask(positions[None, :] <= boundary[:, None])[None, None]
+        h = edge.raw(x, positions, keys, values, _chain_mask(positions, k), mem_keys,
+                     mem_values, ca_mask)  # [b, T, width]
+        outputs.append(edge.normed(h))
+    return outputs
+
+
+def _chain_mask(positions: torch.Tensor, depth: int) -> torch.Tensor:
+    """Additive SA mask [1, 1, T, depth * T] over the keys of passes 1 .. depth: a query i sees
+    pass 1's keys up to i - depth + 1 and pass m's key at i - depth + m (m >= 2)."""
+    rows, cols = positions[:, None], positions[None, :]
+    parts = [cols <= rows - depth + 1]
+    parts += [cols == rows - depth + m for m in range(2, depth + 1)]
+    return additive_mask(torch.cat(parts, dim=1))[None, None]
 
 
 def _previous(rows: torch.Tensor) -> torch.Tensor:
