@@ -31,7 +31,7 @@ def unrolled(edge: EdgeHalf, fusion: nn.Module | None, ids: torch.Tensor,
 
     ids: [b, T]; activations: [b, T, width], the CA memory rows of every position (the server
     half's output); fusion: the server half of a recurrent drafter, which its own outputs go
-    through (None for a drafter that is not recurrent) -> one [b, T, width] per depth k:
+    through (unused for a drafter that is not recurrent) -> one [b, T, width] per depth k:
     position i drafted with i - k its last verified position (rows with i < k are
     meaningless)."""
     positions = torch.arange(ids.shape[1], device=ids.device)  # [T]
@@ -41,7 +41,8 @@ def unrolled(edge: EdgeHalf, fusion: nn.Module | None, ids: torch.Tensor,
     outputs, h = [], x  # h: the previous pass's output, before the final norm
     for k in range(1, passes + 1):
         if k > 1:
-            own = _previous(fusion(h[..., None, :])) if fusion is not None else None
+            own = (_previous(fusion(h[..., None, :]))
+                   if fusion is not None and edge.config.recurrent else None)
             x = edge.inputs(ids, own)
             new_keys, new_values = edge.sa_kv_of(x, positions)
             keys, values = torch.cat((keys, new_keys), 2), torch.cat((values, new_values), 2)
