@@ -41,6 +41,13 @@ def cloud_server(*args: str) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+def write_results(name: str, text: str) -> None:
+    """Prints a result's text and writes it to benchmarks/results/NAME.md."""
+    print(text)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(text)
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |",
              "|" + "|".join("---" if i == 0 else "---:" for i in range(len(header))) + "|"]

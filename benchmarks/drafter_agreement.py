@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS, machine, markdown_table
+from benchmarks.common import RESULTS, machine, markdown_table, write_results
 from shared import prompt_sets as evaluation
 from shared.messages import ChatMessage
 
@@ -102,9 +102,7 @@ def report(args: argparse.Namespace, results: dict[str, list[tuple[float, float]
             f"evaluation set ({', '.join(evaluation.SETS)}), {args.max_new_tokens} new tokens "
             f"(benchmarks/drafter_agreement.py); {machine()}\n\n"
             f"{markdown_table(header, rows)}\n")
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(text)
+    write_results(args.name, text)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     steps = range(1, args.distances + 1)
     for name, values in results.items():

@@ -17,7 +17,7 @@ import re
 import sys
 from pathlib import Path
 
-from benchmarks.common import RESULTS, machine, markdown_table
+from benchmarks.common import RESULTS, machine, markdown_table, write_results
 from benchmarks.moa_tau import moa_contender, split_decode
 from shared import prompt_sets as evaluation
 from shared.drafter_bundle import Precision
@@ -97,9 +97,7 @@ def report(args: argparse.Namespace, curve: dict[str, list[tuple[float, float]]]
             f"{args.max_nodes} nodes, no lookup nodes, {args.max_new_tokens} new tokens, "
             f"{args.per_set} prompts per set ({', '.join(evaluation.SETS)}); {machine()}\n\n"
             f"{markdown_table(('answer tokens seen', *students), rows)}\n")
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(text)
+    write_results(args.name, text)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for student, points_ in curve.items():
         ax.plot([t / 1e3 for t, _ in points_], [tau for _, tau in points_], marker="o",
