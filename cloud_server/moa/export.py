@@ -99,7 +99,8 @@ def export_edge(edge: EdgeHalf, out: Path, top_k: int = TOP_K,
     if edge.config.recurrent and fusion is None:
         raise ValueError("a recurrent drafter's step graph needs its server half")
     edge = edge.float().cpu().eval()
-    fusion = fusion.float().cpu().eval() if edge.config.recurrent and fusion else None
+    fusion = (fusion.float().cpu().eval()
+              if edge.config.recurrent and fusion is not None else None)
     memory_args, step_args = example_inputs(edge)
     out.mkdir(parents=True, exist_ok=True)
     rows = MemoryIO.rows(edge.config.memory)

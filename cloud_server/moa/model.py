@@ -185,10 +185,11 @@ class EdgeHalf(nn.Module):
             raise ValueError("a recurrent drafter needs the previous positions' features")
         return x + self.feature_in(features)
 
-    def sa_kv(self, ids: torch.Tensor, positions: torch.Tensor,
-              features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids: [batch, q] -> SA keys, values of these tokens: [batch, kv_heads, q, hd]"""
-        return self.sa_kv_of(self.inputs(ids, features), positions)
+    def sa_kv(self, ids: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids: [batch, q] -> SA keys, values of these tokens: [batch, kv_heads, q, hd]
+        (a drafter that is not recurrent)"""
+        return self.sa_kv_of(self.inputs(ids, None), positions)
 
     def sa_kv_of(self, x: torch.Tensor,
                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,16 +198,14 @@ class EdgeHalf(nn.Module):
 
     def hidden(self, ids: torch.Tensor, positions: torch.Tensor, sa_keys: torch.Tensor,
                sa_values: torch.Tensor, sa_mask: torch.Tensor, mem_keys: torch.Tensor,
-               mem_values: torch.Tensor, ca_mask: torch.Tensor | None,
-               features: torch.Tensor | None = None) -> torch.Tensor:
-        """The normed output of q query tokens.
+               mem_values: torch.Tensor, ca_mask: torch.Tensor | None) -> torch.Tensor:
+        """The normed output of q query tokens (a drafter that is not recurrent).
 
         ids, positions: [batch, q]/[q]; sa_keys, sa_values: [batch, kv_heads, p, hd] including
         the queries' own (from `sa_kv`); sa_mask: [batch or 1, 1, q, p] additive;
         mem_keys, mem_values: [batch, kv_heads, m, hd]; ca_mask: [batch or 1, 1, q, m] or None
-        (every memory entry visible); features: see `inputs` -> [batch, q, width], the input
-        of the LM head."""
-        return self.normed(self.raw(self.inputs(ids, features), positions, sa_keys, sa_values,
+        (every memory entry visible) -> [batch, q, width], the input of the LM head."""
+        return self.normed(self.raw(self.inputs(ids, None), positions, sa_keys, sa_values,
                                     sa_mask, mem_keys, mem_values, ca_mask))
 
     def raw(self, x: torch.Tensor, positions: torch.Tensor, sa_keys: torch.Tensor,

@@ -31,22 +31,16 @@ def last_boundary(prompt_len: int, length: int, every: int, phase: int) -> torch
     return torch.cat((torch.tensor([-1]), through[:-1]))  # [length]: last boundary < i
 
 
-def draw_boundaries(prompt_lens: list[int], length: int,
-                    generator: torch.Generator) -> torch.Tensor:
-    """b: [batch, length], each sequence with its own boundary spacing and phase."""
+def cross_mask(prompt_lens: list[int], length: int,
+               generator: torch.Generator) -> torch.Tensor:
+    """Additive CA mask: [batch, 1, length, length]; row i of a sequence sees columns <= b(i)."""
     rows = []
     for prompt_len in prompt_lens:
         every = int(torch.randint(MIN_EVERY, MAX_EVERY + 1, (1,), generator=generator))
         phase = int(torch.randint(0, every, (1,), generator=generator))
-        rows.append(last_boundary(prompt_len, length, every, phase))
-    return torch.stack(rows)
-
-
-def cross_mask(boundary: torch.Tensor) -> torch.Tensor:
-    """boundary: [batch, length] -> additive CA mask [batch, 1, length, length]: row i of a
-    sequence sees columns <= b(i)."""
-    columns = torch.arange(boundary.shape[1], device=boundary.device)
-    return additive_mask(columns[None, None, :] <= boundary[:, :, None])[:, None]
+        b = last_boundary(prompt_len, length, every, phase)  # [length]
+        rows.append(torch.arange(length)[None, :] <= b[:, None])  # [length, length]
+    return additive_mask(torch.stack(rows))[:, None]
 
 
 def causal_mask(length: int) -> torch.Tensor:

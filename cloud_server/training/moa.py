@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from shared import progress
 from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
-from cloud_server.training.boundaries import causal_mask, cross_mask, draw_boundaries
+from cloud_server.training.boundaries import causal_mask, cross_mask
 from cloud_server.training.unroll import unrolled
 from torch import nn
 
@@ -254,8 +254,8 @@ class Trainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         teacher_pass = teacher(self.target, batch, [s.config for s in self.students])
         length = batch.ids.shape[1]
-        boundary = draw_boundaries(batch.prompt_lens, length, self.generator).to(self.device)
-        ca, sa = cross_mask(boundary), causal_mask(length).to(self.device)
+        ca = cross_mask(batch.prompt_lens, length, self.generator).to(self.device)
+        sa = causal_mask(length).to(self.device)
         total = torch.zeros((), device=self.device)
         stats: dict[str, float] = {}
         target_hidden = teacher_pass.target_hidden[batch.select]  # [n, width]

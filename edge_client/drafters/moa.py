@@ -248,12 +248,12 @@ class MoaDrafter:
         drafter is not recurrent."""
         if not self.recurrent:
             return None
-        rows = np.zeros((count, self.width), dtype=np.float32)
-        for row, position in enumerate(range(start, start + count)):
-            if 0 < position <= self.verified:
-                rows[row] = self._rows[position - 1]
-            elif position > 0:
-                rows[row] = self._own[position - 1]
+        positions = np.arange(start, start + count)
+        verified = (positions > 0) & (positions <= self.verified)
+        own = positions > self.verified
+        rows = np.zeros((count, self.width), dtype=np.float32)  # position 0: no previous
+        rows[verified] = self._rows[positions[verified] - 1]
+        rows[own] = self._own[positions[own] - 1]
         return rows
 
     def _frontier(self, nodes: _Candidates, depth: int, max_nodes: int) -> list[int]:
