@@ -334,7 +334,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         if raw is grpc.aio.EOF:
             return None
         self.metrics.bytes.labels("in").inc(raw.ByteSize())
-        return wire.client_from_proto(raw)
+        return wire.client_from_proto(raw, self.limits.max_tree_nodes)
 
     async def _on_model(self, fn: Callable[..., T], *args) -> T:
         return await self._model_thread.run(fn, *args)

@@ -88,6 +88,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "one, below the drafter's guess of the tokens the server commits while "
                         "the draft travels; 'auto': N measured from the drafts the server used; "
                         "0 (default): off")
+    p.add_argument("--draft-graphs", action="store_true",
+                   help="moa: merge a token drafted twice at one depth into one node and send "
+                        "each repeated subtree once (GSD draft graphs); off by default, as "
+                        "measured it does not pay (README)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tls", action="store_true",
@@ -258,7 +262,8 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         pipeline=not args.no_pipeline)
     return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens, sampling, acceptance,
                          tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
-                         Mode(args.mode), Pace(args.pace), args.lead or 0, args.draft_ahead)
+                         Mode(args.mode), Pace(args.pace), args.lead or 0, args.draft_ahead,
+                         args.draft_graphs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,9 @@ class ClientOptions:
     # Paced sessions: tokens past which drafts reach (edge_client/following.py); None: the
     # measured lag. Off by default: measured, it did not pay (README, "Pacing").
     draft_ahead: int | None = 0
+    # MoA: draft graphs (GSD), a token repeated at one depth drafted once and its subtree sent
+    # once. Off by default: measured, it did not pay (README, "Draft graphs").
+    draft_graphs: bool = False
 
     def __post_init__(self) -> None:
         # The library's boundary: a caller may name the drafter as text ("pld").
@@ -90,7 +93,8 @@ class EdgeClient:
             return self  # the server drafts, if anyone does
         drafter = resolve_drafter(self.options.drafter, self.info)
         self.options = replace(self.options, drafter=drafter)
-        self._drafters = await drafter_pool(drafter, self.link, self.info)
+        self._drafters = await drafter_pool(drafter, self.link, self.info,
+                                            self.options.draft_graphs)
         return self
 
     async def __aexit__(self, *exc) -> None:

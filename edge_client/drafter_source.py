@@ -65,12 +65,14 @@ class DrafterPool:
             yield self._shared
 
 
-async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo) -> DrafterPool:
+async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo,
+                       draft_graphs: bool = False) -> DrafterPool:
+    """`draft_graphs`: the MoA drafter merges repeated tokens into draft graphs (GSD)."""
     if name is not DrafterName.MOA:
         return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth),
                            shared=False)
     bundle_dir = await _moa_bundle(link, info)
-    return DrafterPool(lambda: MoaDrafter(bundle_dir), shared=True)
+    return DrafterPool(lambda: MoaDrafter(bundle_dir, merge=draft_graphs), shared=True)
 
 
 async def _moa_bundle(link: ServerLink, info: ServerInfo) -> Path:

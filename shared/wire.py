@@ -11,6 +11,7 @@ from shared.acceptance import AcceptanceMode
 from shared.activation_codec import from_int8, to_int8
 from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
+from shared.graph import DraftGraph, fold
 from shared.messages import (
     ActivationFormat, ActivationRows, ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage,
     CloseRequest, Done, DraftRequest, FinishReason, GenerateRequest, Limits, OpenRequest, Opened,
@@ -121,24 +122,47 @@ def client_to_proto(msg: ClientMessage) -> pb.ClientMessage:
     if isinstance(msg, OpenRequest):
         return pb.ClientMessage(open=_open_to_proto(msg))
     if isinstance(msg, DraftRequest):
-        return pb.ClientMessage(draft=pb.Draft(
-            round_id=msg.round_id, base_length=msg.base_length,
-            tokens=msg.tree.tokens, parents=msg.tree.parents,
-            q=[pb.DraftQ(node=q.node, tokens=q.tokens, probs=q.probs) for q in msg.q]))
+        return pb.ClientMessage(draft=draft_to_proto(msg))
     return pb.ClientMessage(close=pb.Close())
 
 
-def client_from_proto(msg: pb.ClientMessage) -> ClientMessage:
+def draft_to_proto(msg: DraftRequest, graphs: bool = True) -> pb.Draft:
+    """With `graphs`, a tree in breadth-first order travels as its draft graph (each repeated
+    subtree once, shared/graph.py); a tree with q always travels as it is."""
+    graph = fold(msg.tree) if graphs and not msg.q else DraftGraph(msg.tree)
+    aliases = list(zip(*graph.aliases)) or [(), ()]
+    return pb.Draft(round_id=msg.round_id, base_length=msg.base_length,
+                    tokens=graph.tree.tokens, parents=graph.tree.parents,
+                    q=[pb.DraftQ(node=q.node, tokens=q.tokens, probs=q.probs) for q in msg.q],
+                    alias_nodes=aliases[0], alias_targets=aliases[1])
+
+
+def client_from_proto(msg: pb.ClientMessage, max_tree_nodes: int) -> ClientMessage:
+    """A draft graph comes back unrolled into its tree, cut after `max_tree_nodes` nodes."""
     kind = msg.WhichOneof("kind")
     if kind == "open":
         return _open_from_proto(msg.open)
     if kind == "draft":
         d = msg.draft
-        return DraftRequest(d.round_id, d.base_length, DraftTree(tuple(d.tokens), tuple(d.parents)),
-                            tuple(NodeQ(q.node, tuple(q.tokens), tuple(q.probs)) for q in d.q))
+        q = tuple(NodeQ(q.node, tuple(q.tokens), tuple(q.probs)) for q in d.q)
+        return DraftRequest(d.round_id, d.base_length, _unrolled(d, bool(q), max_tree_nodes), q)
     if kind == "close":
         return CloseRequest()
     raise InvalidRequest("client message has no open, draft or close")
+
+
+def _unrolled(d: pb.Draft, has_q: bool, max_nodes: int) -> DraftTree:
+    tree = DraftTree(tuple(d.tokens), tuple(d.parents))
+    if not d.alias_nodes and not d.alias_targets:
+        return tree
+    if len(d.alias_nodes) != len(d.alias_targets):
+        raise InvalidRequest(f"draft has {len(d.alias_nodes)} alias nodes but "
+                             f"{len(d.alias_targets)} alias targets")
+    if has_q:
+        raise InvalidRequest("a draft with q must be a plain tree: its q names tree nodes")
+    graph = DraftGraph(tree, tuple(zip(d.alias_nodes, d.alias_targets)))
+    graph.validate(max_nodes)
+    return graph.unrolled(max_nodes)
 
 
 def _open_from_proto(msg: pb.Open) -> OpenRequest:

@@ -63,6 +63,29 @@ def test_split_decoding_with_moa_equals_plain_greedy(tiny_target, tiny_drafter_d
     assert sum(per_round) / len(per_round) > 1.5, per_round  # drafts get accepted
 
 
+def test_merging_drafter_drafts_graphs_and_equals_plain_greedy(tiny_target, tiny_drafter_dir,
+                                                               tiny_bundle):
+    """GSD merging: a token repeated at one depth is expanded once and its subtree repeated
+    under each parent, breadth first, so the wire sends it once; the text stays plain greedy's."""
+    from shared.graph import breadth_first, fold
+
+    server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
+    drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=6, beam=4, branch=4,
+                         merge=True)
+    trees = []
+    propose = drafter.propose
+
+    def recorded(context, max_nodes):
+        trees.append(propose(context, max_nodes))
+        return trees[-1]
+
+    drafter.propose = recorded
+    tokens, _ = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=48)
+    assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
+    assert all(tree == breadth_first(tree) and len(tree) <= 48 for tree in trees)
+    assert sum(len(tree) - len(fold(tree).tree) for tree in trees) > 0
+
+
 def test_activations_are_fp16_rows_of_width(tiny_target, tiny_drafter_dir):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     cache, _ = tiny_target.prefill(PROMPT)

@@ -57,6 +57,32 @@ def test_moa_split_greedy_equals_plain(moa_server, tiny_target, fmt, pace, tmp_p
     assert bundle_cache_dir(bundle.sha256).is_dir()  # fetched once, cached by sha256
 
 
+@pytest.mark.parametrize("pace", [Pace.LOCKSTEP, Pace.SERVER])
+def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_dir, pace,
+                                                      tmp_path, monkeypatch):
+    """--draft-graphs: the drafts reach the server with aliases (each repeated subtree once),
+    it unrolls them, and the text equals plain greedy."""
+    from shared import wire
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    aliases = []
+    decode = wire.client_from_proto
+
+    def counted(raw, max_tree_nodes):
+        aliases.append(len(raw.draft.alias_nodes) if raw.HasField("draft") else 0)
+        return decode(raw, max_tree_nodes)
+
+    monkeypatch.setattr(wire, "client_from_proto", counted)
+    limits = Limits(max_tree_nodes=48, max_tree_depth=8, max_new_tokens=64)
+    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+        results = run(server.address, ClientOptions("moa", 48, MAX_NEW, pace=pace,
+                                                    draft_graphs=True))
+    for prompt, result in zip(PROMPTS, results):
+        plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+        assert compare(tiny_target, prompt, result.output_ids, plain).lossless
+    assert sum(aliases) > 0
+
+
 def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=15),

@@ -19,9 +19,9 @@ def open_msg(ids=PROMPT, **kw) -> pb.ClientMessage:
     return pb.ClientMessage(open=pb.Open(input_ids=pb.TokenIds(ids=ids), **kw))
 
 
-def draft_msg(round_id=1, base=BASE, tokens=(10,), parents=(-1,)) -> pb.ClientMessage:
+def draft_msg(round_id=1, base=BASE, tokens=(10,), parents=(-1,), **kw) -> pb.ClientMessage:
     return pb.ClientMessage(draft=pb.Draft(round_id=round_id, base_length=base,
-                                           tokens=tokens, parents=parents))
+                                           tokens=tokens, parents=parents, **kw))
 
 
 CLOSE = pb.ClientMessage(close=pb.Close())
@@ -61,6 +61,12 @@ BAD_INPUTS = {
                                              parents=(-1,) * 17)], "INVALID_ARGUMENT", "limit"),
     "too deep": ([open_msg(), draft_msg(tokens=tuple(range(10, 19)),
                                         parents=tuple(range(-1, 8)))], "INVALID_ARGUMENT", "deep"),
+    "graph alias to a later node": ([open_msg(), draft_msg(tokens=(10, 20, 11, 20),
+                                                           parents=(-1, 0, -1, 2),
+                                                           alias_nodes=(1,), alias_targets=(3,))],
+                                    "INVALID_ARGUMENT", "earlier node"),
+    "graph cycle": ([open_msg(), draft_msg(tokens=(10, 10), parents=(-1, 0), alias_nodes=(1,),
+                                           alias_targets=(0,))], "INVALID_ARGUMENT", "cycle"),
     "duplicate sibling": ([open_msg(), draft_msg(tokens=(10, 10), parents=(-1, -1))],
                           "INVALID_ARGUMENT", "repeats"),
     "draft before open": ([draft_msg()], "FAILED_PRECONDITION", "no open session"),

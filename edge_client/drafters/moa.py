@@ -11,7 +11,9 @@ same verified boundary.
 
 Trees are EAGLE-2 dynamic trees (Li et al., arXiv 2406.16858, section 4): expand the `beam`
 nodes of the newest depth with the highest cumulative draft log-probability, each proposing its
-top `branch` children, then keep the best `max_nodes` overall, best first. With
+top `branch` children, then keep the best `max_nodes` overall, best first. With `merge`, nodes
+of one depth with the same token are drafted once (GSD's draft graph, shared/graph.py) and the
+tree, breadth first, repeats the subtree under each; the wire sends it once. With
 `lookup_nodes`, a prompt-lookup tree (pld.py) of up to that many nodes, a quarter of the budget
 at most, is merged in when the text repeats itself: copying is what a small drafter predicts
 worst and n-gram lookup best (REST, He et al., arXiv 2311.08252, makes the same case for
@@ -32,6 +34,7 @@ from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
 from shared.drafting.base import DrafterName
 from shared.draft_q import NodeQ, Proposal
+from shared.graph import DraftGraph, breadth_first
 from shared.tree import ROOT, DraftTree
 
 LOOKUP_NODES = 16  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
@@ -46,6 +49,7 @@ class _Candidates:
     scores: list[float] = field(default_factory=list)  # cumulative log q from the root
     depths: list[int] = field(default_factory=list)
     slots: list[int] = field(default_factory=list)  # row in the round's K/V, -1 if not expanded
+    aliases: dict[int, int] = field(default_factory=dict)  # merged node -> the node it joined
 
     def add(self, token: int, parent: int, score: float, depth: int) -> None:
         self.tokens.append(token)
@@ -53,6 +57,17 @@ class _Candidates:
         self.scores.append(score)
         self.depths.append(depth)
         self.slots.append(-1)
+
+    def merge(self, depth: int) -> None:
+        """GSD (Gong et al., arXiv 2407.16207, section 3): the nodes at `depth` that repeat a
+        token join the best-scoring node with it; only that one is expanded, and its subtree
+        stands for theirs."""
+        best: dict[int, int] = {}
+        for node in sorted((i for i, d in enumerate(self.depths) if d == depth),
+                           key=lambda i: -self.scores[i]):
+            joined = best.setdefault(self.tokens[node], node)
+            if joined != node:
+                self.aliases[node] = joined
 
     def ancestors(self, node: int) -> list[int]:
         chain = []
@@ -68,7 +83,7 @@ class MoaDrafter:
 
     def __init__(self, bundle_dir: Path, precision: Precision = Precision.INT8, max_depth: int = 8,
                  beam: int = 8, branch: int = 8, threads: int = 1,
-                 lookup_nodes: int = LOOKUP_NODES) -> None:
+                 lookup_nodes: int = LOOKUP_NODES, merge: bool = False) -> None:
         import onnxruntime as ort
 
         manifest = load_manifest(bundle_dir)
@@ -82,6 +97,7 @@ class MoaDrafter:
         self.max_depth, self.beam = max_depth, beam
         self.branch = min(branch, manifest.top_k)
         self.lookup_nodes = lookup_nodes
+        self.merge = merge
         self._lookup = PromptLookupDrafter()
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -157,7 +173,8 @@ class MoaDrafter:
             return DraftTree((), ())
         budget = min(self.lookup_nodes, max_nodes // 4)
         lookup = self._lookup.propose(context, budget) if budget else DraftTree((), ())
-        return self._model_tree(context, max_nodes - len(lookup)).merged(lookup, max_nodes)
+        tree = self._model_tree(context, max_nodes - len(lookup)).merged(lookup, max_nodes)
+        return breadth_first(tree) if self.merge else tree
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int, rng: np.random.Generator
                         ) -> Proposal:
@@ -192,7 +209,9 @@ class MoaDrafter:
                 for logprob, token in zip(top_logprobs[row, :self.branch],
                                           top_ids[row, :self.branch]):
                     nodes.add(int(token), node, nodes.scores[node] + float(logprob), depth + 1)
-        return _best_tree(nodes, max_nodes)
+            if self.merge:
+                nodes.merge(depth + 1)
+        return _best_graph(nodes, max_nodes) if nodes.aliases else _best_tree(nodes, max_nodes)
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:
@@ -262,8 +281,8 @@ class MoaDrafter:
         at_depth = [i for i, d in enumerate(nodes.depths) if d == depth]
         at_depth.sort(key=lambda i: -nodes.scores[i])
         cutoff = sorted(nodes.scores, reverse=True)[min(max_nodes, len(nodes.scores)) - 1]
-        return [i for i in at_depth[:self.beam] if nodes.scores[i] >= cutoff
-                or len(nodes.scores) < max_nodes]
+        return [i for i in at_depth[:self.beam] if i not in nodes.aliases
+                and (nodes.scores[i] >= cutoff or len(nodes.scores) < max_nodes)]
 
     def _expander(self, context: Sequence[int]) -> Expand:
         """One round's `Expand`: it keeps the round's K/V ([kv_heads, slots, hd]), a recurrent
@@ -365,9 +384,36 @@ def _best_tree(nodes: _Candidates, max_nodes: int) -> DraftTree:
     """The `max_nodes` best nodes by cumulative log q, best first. A child never scores above
     its parent and ties go to the shallower node, so the set is closed under ancestors and
     every parent precedes its children."""
-    order = sorted(range(len(nodes.tokens)), key=lambda i: (-nodes.scores[i], nodes.depths[i]))
-    keep = order[:max_nodes]
+    return _graph(nodes, _ranked(nodes)[:max_nodes]).tree
+
+
+def _best_graph(nodes: _Candidates, max_nodes: int) -> DraftTree:
+    """The unrolled tree of the most best nodes whose graph unrolls to at most `max_nodes`
+    nodes (each merged node repeats the subtree it joined; one more node never shrinks the
+    unrolled tree, so a bisection finds the count)."""
+    order = _ranked(nodes)
+    low, high = 1, min(max_nodes, len(order))
+    while low < high:
+        mid = (low + high + 1) // 2
+        if len(_graph(nodes, order[:mid]).unrolled(max_nodes + 1)) <= max_nodes:
+            low = mid
+        else:
+            high = mid - 1
+    return _graph(nodes, order[:low]).unrolled(max_nodes)
+
+
+def _ranked(nodes: _Candidates) -> list[int]:
+    """Best first; a merged node right after the node it joined at equal score (it never
+    scores above it), so any leading run keeps each alias's target before it."""
+    return sorted(range(len(nodes.tokens)),
+                  key=lambda i: (-nodes.scores[i], nodes.depths[i], i in nodes.aliases))
+
+
+def _graph(nodes: _Candidates, keep: list[int]) -> DraftGraph:
+    """The nodes `keep` (a leading run of `_ranked`) as a graph in that order."""
     index = {node: i for i, node in enumerate(keep)}
-    return DraftTree(tuple(nodes.tokens[i] for i in keep),
+    tree = DraftTree(tuple(nodes.tokens[i] for i in keep),
                      tuple(ROOT if nodes.parents[i] == ROOT else index[nodes.parents[i]]
                            for i in keep))
+    return DraftGraph(tree, tuple((index[node], index[joined])
+                                  for node, joined in nodes.aliases.items() if node in index))

@@ -237,18 +237,22 @@ class GenerateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., drafter: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("round_id", "base_length", "tokens", "parents", "q")
+    __slots__ = ("round_id", "base_length", "tokens", "parents", "q", "alias_nodes", "alias_targets")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_NODES_FIELD_NUMBER: _ClassVar[int]
+    ALIAS_TARGETS_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     base_length: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[DraftQ]
-    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ...) -> None: ...
+    alias_nodes: _containers.RepeatedScalarFieldContainer[int]
+    alias_targets: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ..., alias_nodes: _Optional[_Iterable[int]] = ..., alias_targets: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftQ(_message.Message):
     __slots__ = ("node", "tokens", "probs")
