@@ -113,7 +113,7 @@ def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
     args = ["train-drafter", "--model", str(tiny_model_dir), "--out", str(out), "--device", "cpu",
             "--max-prompts", "4", "--max-prompt-tokens", "1000", "--max-new-tokens", "8",
             "--steps", "3", "--batch-tokens", "512", "--independent", "--server-input", "last,kv",
-            "--snapshot-every", "2"]
+            "--snapshot-every", "2", "--kl-weight", "0.1", "--feature-weight", "1"]
     assert cloud_server_main(args) == 0
     snapshot = out / "snapshots" / "step-2"
     assert MoaConfig.load(snapshot / "kv" / "moa_config.json").server_input is ServerInput.LAYER_KV
@@ -124,7 +124,9 @@ def test_cli_trains_and_writes_the_weights(tiny_model_dir: Path, tmp_path):
             "training.json"} <= {p.name for p in out.iterdir()}
     assert {"moa.safetensors", "moa_config.json"} <= {p.name for p in (out / INDEPENDENT).iterdir()}
     answered = len((out / "answers.jsonl").read_text().splitlines())
-    assert json.loads((out / "training.json").read_text())["samples"] == answered > 0
+    summary = json.loads((out / "training.json").read_text())
+    assert summary["samples"] == answered > 0
+    assert (summary["settings"]["kl_weight"], summary["settings"]["feature_weight"]) == (0.1, 1)
     assert cloud_server_main(args) == 1  # a checkpoint is there and --resume was not given
     assert cloud_server_main(args + ["--resume", "--steps", "4"]) == 0
 
@@ -134,6 +136,14 @@ def test_cli_refuses_unknown_or_repeated_server_inputs(tmp_path, inputs, capsys)
     with pytest.raises(SystemExit) as exit_info:
         cloud_server_main(["train-drafter", "--out", str(tmp_path), "--server-input", inputs])
     assert exit_info.value.code == 2 and "--server-input" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weights", [("0", "0"), ("-1", "1")])
+def test_cli_refuses_loss_weights_that_train_nothing(tmp_path, weights, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cloud_server_main(["train-drafter", "--out", str(tmp_path), "--kl-weight", weights[0],
+                           "--feature-weight", weights[1]])
+    assert exit_info.value.code == 2 and "--kl-weight" in capsys.readouterr().err
 
 
 def test_training_prompts_are_not_evaluation_prompts():

@@ -69,6 +69,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--depth-weight", type=float, default=d.depth_weight,
                    help="--recurrent: depth k's loss weighs this to the power k - 1 "
                         "(default %(default)s)")
+    p.add_argument("--kl-weight", type=float, default=d.kl_weight,
+                   help="weight of KL(target || drafter) in the loss (default %(default)s; "
+                        "the MoA paper's: 0.1)")
+    p.add_argument("--feature-weight", type=float, default=d.feature_weight,
+                   help="weight of the SmoothL1 feature loss (default %(default)s; the MoA "
+                        "paper's: 1.0)")
     p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every)
     p.add_argument("--snapshot-every", type=int, default=d.snapshot_every, metavar="N",
                    help="also write the weights every N steps to OUT/snapshots/step-N, for a "
@@ -77,6 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars and no progress lines")
     args = p.parse_args(argv)
+    if args.kl_weight < 0 or args.feature_weight < 0 or not args.kl_weight + args.feature_weight:
+        p.error("--kl-weight and --feature-weight must be >= 0, and not both 0")
     if args.recurrent and [i.value for i in args.server_input] != ["last"]:
         p.error("--recurrent needs --server-input last: the drafter feeds its own output back "
                 "where the last layer's output goes")
@@ -133,8 +141,8 @@ def main(argv: list[str]) -> int:
                              snapshot_every=args.snapshot_every,
                              server_inputs=args.server_input, independent=args.independent,
                              recurrent=args.recurrent, unroll=args.unroll,
-                             depth_weight=args.depth_weight,
-                             seed=args.seed)
+                             depth_weight=args.depth_weight, kl_weight=args.kl_weight,
+                             feature_weight=args.feature_weight, seed=args.seed)
     trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
     if args.resume and (args.out / CHECKPOINT).exists():
         trainer.load_checkpoint()
