@@ -33,6 +33,22 @@ def test_batched_answers_equal_plain_greedy(tiny_target, samples):
         assert list(sample.answer_ids) == plain_greedy(tiny_target, sample.prompt_ids, 24)
 
 
+def test_answers_resume_by_prompt_ids_whatever_order_the_file_has(tiny_target, samples,
+                                                                   tmp_path, monkeypatch):
+    """A rerun answers only what the file lacks, even when an earlier run wrote it in another
+    order; each window of prompts is answered shortest first."""
+    from cloud_server.training import data
+
+    monkeypatch.setattr(data, "SORT_WINDOW", 2)
+    path = tmp_path / "answers.jsonl"
+    data.generate_answers(tiny_target, [PROMPTS[2], PROMPTS[1]], path, 2, 24)
+    data.generate_answers(tiny_target, PROMPTS, path, 1, 24)
+    written = data.load_samples(path)
+    assert [s.prompt_ids for s in written[2:]] == [tuple(PROMPTS[3]), tuple(PROMPTS[0])]
+    by_prompt = sorted(written, key=lambda s: s.prompt_ids)
+    assert by_prompt == sorted(samples, key=lambda s: s.prompt_ids)  # each once, as batched
+
+
 def test_loss_goes_down(tiny_target, samples, tmp_path):
     trainer = Trainer(tiny_target.model, samples, SETTINGS, tmp_path, stop_ids=(2,))
     losses = [trainer.train_step(trainer.batch_for(s))["loss"] for s in range(SETTINGS.steps)]

