@@ -124,7 +124,7 @@ def count_wire(tally: Tally, trees: list[DraftTree]) -> None:
         tally.drafts += 1
         tally.nodes += len(tree)
         tally.sent += len(fold(tree).tree)
-        tally.bytes_graph += wire.draft_to_proto(draft).ByteSize()
+        tally.bytes_graph += wire.draft_to_proto(draft, graphs=True).ByteSize()
         tally.bytes_plain += wire.draft_to_proto(draft, graphs=False).ByteSize()
 
 

@@ -148,7 +148,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             vocab_size=self.target.vocab_size, stop_token_ids=self.target.stop_token_ids(),
             limits=self.limits, artifacts=self.artifacts.listing(),
             verify_costs=self.verify_costs,
-            activation_width=0 if self.drafter is None else self.drafter.width)
+            activation_width=0 if self.drafter is None else self.drafter.width,
+            draft_graphs=True)
 
     @_grpc_status
     async def Info(self, request: pb.InfoRequest, context) -> pb.InfoResponse:

@@ -89,6 +89,10 @@ class EdgeClient:
             raise LinkError(f"server speaks protocol v{info.protocol_version}, "
                             f"this client v{PROTOCOL_VERSION}")
         self._tokenizer = await load_tokenizer(self.link, info)
+        if self.options.draft_graphs and not info.draft_graphs:
+            raise LinkError(f"the server at {self.link.address} does not unroll draft graphs: "
+                            "update it, or leave out --draft-graphs")
+        self.link.draft_graphs = self.options.draft_graphs
         if self.options.mode is not Mode.SPLIT:
             return self  # the server drafts, if anyone does
         drafter = resolve_drafter(self.options.drafter, self.info)

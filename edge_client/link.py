@@ -113,6 +113,7 @@ class ServerLink:
         self._metadata = config.security.metadata()
         self._stub = pb_grpc.SplitDecodingStub(self._channel)
         self._bulk: grpc.aio.Channel | None = None  # downloads: opened on the first one
+        self.draft_graphs = False  # drafts travel as draft graphs (set by the client)
 
     async def __aenter__(self) -> "ServerLink":
         return self
@@ -173,26 +174,28 @@ class ServerLink:
     def decode(self, wait_for_ready: bool = False) -> "DecodeStream":
         """A Decode call. `wait_for_ready` (for a resume) waits for the channel to reconnect
         instead of failing at once, so the call goes out the moment the link is back; the first
-        receive's timeout bounds the wait."""
+        receive's timeout bounds the wait. Drafts travel as draft graphs when `draft_graphs`
+        is set (the server must unroll them: ServerInfo.draft_graphs)."""
         call = self._stub.Decode(timeout=self.config.stream_timeout_s,
                                  wait_for_ready=wait_for_ready, metadata=self._metadata)
-        return DecodeStream(call, self.address, self.config.round_timeout_s)
+        return DecodeStream(call, self.address, self.config.round_timeout_s, self.draft_graphs)
 
 
 class DecodeStream:
     """One Decode call: send domain messages, receive domain messages, count wire bytes."""
 
-    def __init__(self, call, address: str, round_timeout_s: float):
+    def __init__(self, call, address: str, round_timeout_s: float, graphs: bool = False):
         self._call = call
         self._address = address
         self._round_timeout_s = round_timeout_s
+        self._graphs = graphs
         self.bytes_up = 0
         self.bytes_down = 0
 
     async def send(self, msg: ClientMessage, timeout_s: float | None = None) -> None:
         """Sends within `timeout_s` (default: the round timeout); a call that waits for the
         channel to be ready blocks here while the link is down."""
-        raw = wire.client_to_proto(msg)
+        raw = wire.client_to_proto(msg, self._graphs)
         self.bytes_up += raw.ByteSize() + GRPC_FRAME_BYTES
         timeout_s = timeout_s or self._round_timeout_s
         try:

@@ -85,6 +85,7 @@ class ServerInfo:
     artifacts: tuple[ArtifactInfo, ...]
     verify_costs: tuple[tuple[int, float], ...] = ()  # (tree nodes, ms), nodes ascending
     activation_width: int = 0  # 0: the server computes no activations (no drafter bundle)
+    draft_graphs: bool = False  # the server unrolls draft graphs (shared/graph.py)
 
 
 @dataclass(frozen=True)

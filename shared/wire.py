@@ -68,7 +68,7 @@ def info_to_proto(info: ServerInfo) -> pb.InfoResponse:
             for a in info.artifacts
         ],
         verify_costs=[pb.VerifyCost(nodes=n, ms=ms) for n, ms in info.verify_costs],
-        activation_width=info.activation_width,
+        activation_width=info.activation_width, draft_graphs=info.draft_graphs,
     )
 
 
@@ -85,7 +85,7 @@ def info_from_proto(msg: pb.InfoResponse) -> ServerInfo:
             for a in msg.artifacts
         ),
         verify_costs=tuple((c.nodes, c.ms) for c in msg.verify_costs),
-        activation_width=msg.activation_width,
+        activation_width=msg.activation_width, draft_graphs=msg.draft_graphs,
     )
 
 
@@ -118,15 +118,17 @@ def generate_from_proto(msg: pb.GenerateRequest) -> GenerateRequest:
     return GenerateRequest(_open_from_proto(msg.open), msg.drafter or None, msg.tree_nodes)
 
 
-def client_to_proto(msg: ClientMessage) -> pb.ClientMessage:
+def client_to_proto(msg: ClientMessage, graphs: bool = False) -> pb.ClientMessage:
+    """`graphs`: a draft may travel as a draft graph (draft_to_proto); only to a server that
+    says it unrolls them (ServerInfo.draft_graphs)."""
     if isinstance(msg, OpenRequest):
         return pb.ClientMessage(open=_open_to_proto(msg))
     if isinstance(msg, DraftRequest):
-        return pb.ClientMessage(draft=draft_to_proto(msg))
+        return pb.ClientMessage(draft=draft_to_proto(msg, graphs))
     return pb.ClientMessage(close=pb.Close())
 
 
-def draft_to_proto(msg: DraftRequest, graphs: bool = True) -> pb.Draft:
+def draft_to_proto(msg: DraftRequest, graphs: bool) -> pb.Draft:
     """With `graphs`, a tree in breadth-first order travels as its draft graph (each repeated
     subtree once, shared/graph.py); a tree with q always travels as it is."""
     graph = fold(msg.tree) if graphs and not msg.q else DraftGraph(msg.tree)

@@ -97,7 +97,8 @@ def test_bad_graphs_are_refused_with_the_reason(case):
 def test_the_wire_carries_the_graph_and_the_server_gets_the_tree():
     tree = repeating_tree()
     draft = DraftRequest(3, 7, tree)
-    raw = wire.client_to_proto(draft)
+    assert not wire.client_to_proto(draft).draft.alias_nodes  # only to a server that unrolls
+    raw = wire.client_to_proto(draft, graphs=True)
     assert len(raw.draft.tokens) == 7 and list(raw.draft.alias_nodes)
     plain = wire.draft_to_proto(draft, graphs=False)
     assert raw.draft.ByteSize() < plain.ByteSize()
@@ -108,13 +109,13 @@ def test_the_wire_carries_the_graph_and_the_server_gets_the_tree():
 def test_a_tree_with_q_travels_plain_and_aliases_with_q_are_refused():
     tree = repeating_tree()
     q = (NodeQ(ROOT, (1010, 1011), (0.5, 0.5)),)
-    raw = wire.client_to_proto(DraftRequest(1, 7, tree, q))
+    raw = wire.client_to_proto(DraftRequest(1, 7, tree, q), graphs=True)
     assert not raw.draft.alias_nodes and wire.client_from_proto(raw, 64).tree == tree
     raw.draft.alias_nodes.append(3)
     raw.draft.alias_targets.append(1)
     with pytest.raises(InvalidRequest, match="q"):
         wire.client_from_proto(raw, 64)
-    raw = wire.client_to_proto(DraftRequest(1, 7, tree))
+    raw = wire.client_to_proto(DraftRequest(1, 7, tree), graphs=True)
     raw.draft.alias_targets.append(0)
     with pytest.raises(InvalidRequest, match="alias targets"):
         wire.client_from_proto(raw, 64)

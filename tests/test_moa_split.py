@@ -83,6 +83,24 @@ def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_
     assert sum(aliases) > 0
 
 
+def test_draft_graphs_need_a_server_that_unrolls_them(moa_server, tmp_path, monkeypatch):
+    """A server that does not say it unrolls graphs (an older one) would verify their spanning
+    trees under other node ids: the client refuses to send it any."""
+    from dataclasses import replace as replaced
+
+    from edge_client.link import ServerLink
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    info = ServerLink.info
+
+    async def older_server(self):
+        return replaced(await info(self), draft_graphs=False)
+
+    monkeypatch.setattr(ServerLink, "info", older_server)
+    with pytest.raises(LinkError, match="does not unroll draft graphs"):
+        run(moa_server.address, ClientOptions("moa", 16, MAX_NEW, draft_graphs=True))
+
+
 def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=15),

@@ -121,7 +121,7 @@ class VerifyCost(_message.Message):
     def __init__(self, nodes: _Optional[int] = ..., ms: _Optional[float] = ...) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("protocol_version", "model_id", "tokenizer_sha256", "vocab_size", "stop_token_ids", "limits", "artifacts", "verify_costs", "activation_width")
+    __slots__ = ("protocol_version", "model_id", "tokenizer_sha256", "vocab_size", "stop_token_ids", "limits", "artifacts", "verify_costs", "activation_width", "draft_graphs")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class InfoResponse(_message.Message):
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
     VERIFY_COSTS_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_GRAPHS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     model_id: str
     tokenizer_sha256: str
@@ -140,7 +141,8 @@ class InfoResponse(_message.Message):
     artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
     verify_costs: _containers.RepeatedCompositeFieldContainer[VerifyCost]
     activation_width: int
-    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., activation_width: _Optional[int] = ...) -> None: ...
+    draft_graphs: bool
+    def __init__(self, protocol_version: _Optional[int] = ..., model_id: _Optional[str] = ..., tokenizer_sha256: _Optional[str] = ..., vocab_size: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., verify_costs: _Optional[_Iterable[_Union[VerifyCost, _Mapping]]] = ..., activation_width: _Optional[int] = ..., draft_graphs: _Optional[bool] = ...) -> None: ...
 
 class FetchArtifactRequest(_message.Message):
     __slots__ = ("name",)
