@@ -209,3 +209,10 @@ def test_long_prompt_with_moa_activations_over_3g(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "reconnects" not in proc.stderr, proc.stderr
     assert answers[0].stdout == answers[1].stdout
+
+
+def test_draft_graphs_flag_reaches_the_client_options():
+    from edge_client.cli import options_from, parse_args
+
+    assert options_from(parse_args(["--server", "x:1", "--draft-graphs", "hi"])).draft_graphs
+    assert not options_from(parse_args(["--server", "x:1", "hi"])).draft_graphs
