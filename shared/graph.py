@@ -30,19 +30,11 @@ class DraftGraph:
     aliases: tuple[tuple[int, int], ...] = ()
 
     def validate(self, max_nodes: int) -> None:
-        """Raises InvalidRequest naming the first problem: the spanning tree's shape and size,
-        then each alias (a later target, a mismatched token, a node with children of its own,
-        a cycle)."""
+        """Raises InvalidRequest naming the first problem: the spanning tree's shape and size
+        (as sent, before unrolling), then each alias (a later target, a mismatched token, a
+        node with children of its own, a cycle)."""
+        self.tree.check_shape(max_nodes)
         n = len(self.tree)
-        if n > max_nodes:
-            raise InvalidRequest(f"draft graph has {n} nodes, the limit is {max_nodes}")
-        if len(self.tree.parents) != n:
-            raise InvalidRequest(f"draft graph has {n} tokens but {len(self.tree.parents)} "
-                                 "parents")
-        for i, parent in enumerate(self.tree.parents):
-            if not ROOT <= parent < i:
-                raise InvalidRequest(
-                    f"parent {parent} of node {i} must be -1 or an earlier node index")
         has_children = {p for p in self.tree.parents if p != ROOT}
         seen: set[int] = set()
         for node, target in self.aliases:

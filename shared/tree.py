@@ -131,23 +131,29 @@ class DraftTree:
 
     def validate(self, vocab_size: int, max_nodes: int, max_depth: int) -> None:
         """Raises InvalidRequest with a message naming the first problem found."""
-        n = len(self.tokens)
-        if n == 0:
+        if not self.tokens:
             raise InvalidRequest("draft tree is empty: send at least one node")
-        if n > max_nodes:
-            raise InvalidRequest(f"draft tree has {n} nodes, the limit is {max_nodes}")
-        if len(self.parents) != n:
-            raise InvalidRequest(f"draft tree has {n} tokens but {len(self.parents)} parents")
-        for i, (token, parent) in enumerate(zip(self.tokens, self.parents)):
+        self.check_shape(max_nodes)
+        for i, token in enumerate(self.tokens):
             if not 0 <= token < vocab_size:
                 raise InvalidRequest(f"token id {token} at node {i} is outside [0, {vocab_size})")
-            if not ROOT <= parent < i:
-                raise InvalidRequest(
-                    f"parent {parent} of node {i} must be -1 or an earlier node index")
         self._check_no_duplicate_siblings()
         depth = int(self.depths().max()) + 1
         if depth > max_depth:
             raise InvalidRequest(f"draft tree is {depth} deep, the limit is {max_depth}")
+
+    def check_shape(self, max_nodes: int) -> None:
+        """Raises InvalidRequest unless the tree has at most `max_nodes` nodes, one parent per
+        token, and every parent -1 or an earlier node."""
+        n = len(self.tokens)
+        if n > max_nodes:
+            raise InvalidRequest(f"draft tree has {n} nodes, the limit is {max_nodes}")
+        if len(self.parents) != n:
+            raise InvalidRequest(f"draft tree has {n} tokens but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not ROOT <= parent < i:
+                raise InvalidRequest(
+                    f"parent {parent} of node {i} must be -1 or an earlier node index")
 
     def _check_no_duplicate_siblings(self) -> None:
         seen: set[tuple[int, int]] = set()
