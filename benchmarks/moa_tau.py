@@ -10,7 +10,9 @@ output equals plain greedy.
 
 Drafters (--drafters, comma-separated): pld, aded; moa (the --drafter directory); any
 subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABEL=DIR for
-another trained drafter; any MoA entry with +lookup merges prompt-lookup nodes into its trees.
+another trained drafter (a Falcon one, trained with --method falcon, drafts --block tokens per
+step: edge_client/drafters/falcon.py); any trained entry with +lookup merges prompt-lookup nodes
+into its trees.
 
     python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
@@ -200,6 +202,7 @@ def moa_contender(args: argparse.Namespace, target, name: str, directory: Path,
     from cloud_server.moa.bundle import build_bundle
     from cloud_server.moa.config import MoaConfig
     from cloud_server.moa.weights import CONFIG
+    from edge_client.drafters.falcon import FalconDrafter
     from edge_client.drafters.moa import MoaDrafter
     from edge_client.drafters.moa_bundle import load_manifest
     from shared.cache import cache_root
@@ -213,8 +216,9 @@ def moa_contender(args: argparse.Namespace, target, name: str, directory: Path,
                           cache_root() / "moa-bundles", target.tokenizer_json())
     manifest = load_manifest(bundle)
     size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
-    drafter = MoaDrafter(bundle, precision=args.precision, max_depth=args.max_depth,
-                         lookup_nodes=lookup)
+    kind = FalconDrafter if manifest.block > 1 else MoaDrafter
+    drafter = kind(bundle, precision=args.precision, max_depth=args.max_depth,
+                   lookup_nodes=lookup)
     return Contender(name, drafter, server, bundle, size / 1e6)
 
 

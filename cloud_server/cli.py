@@ -48,8 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--idle-timeout", type=int, default=defaults.session_idle_timeout_s,
                    help="seconds a session may stay silent before it is closed")
     p.add_argument("--drafter-dir", default="default", metavar="DIR",
-                   help="the MoA drafter to serve: 'default' (the one committed for the model, "
-                        "if any), 'none', or a directory from `cloud-server train-drafter` "
+                   help="the trained drafter to serve: 'default' (the MoA drafter committed for "
+                        "the model, if any), 'falcon' (the Falcon drafter committed for it), "
+                        "'none', or a directory from `cloud-server train-drafter` "
                         "(its independent/ serves the Independent baseline, which needs no "
                         "activations)")
     pacing = PacingPolicy()

@@ -18,9 +18,8 @@ from cloud_server.moa.config import MoaConfig
 from cloud_server.moa.weights import CONFIG, WEIGHTS, committed_drafter
 from cloud_server.target import TargetModel
 from shared.cache import cache_root
-from shared.drafter_bundle import Precision
+from shared.drafter_bundle import MANIFEST_NAME, BundleManifest, Precision
 
-BUNDLE_ARTIFACT = "drafter-moa"
 PRECISIONS = (Precision.INT8,)  # what the edge runs by default; fp32 would double the download
 EXPORT_REVISION = 2  # raise when export.py changes what it writes: cached bundles are rebuilt
 
@@ -30,15 +29,21 @@ class ServedDrafter:
     activations: ServerActivations | None  # None: the drafter reads none (Independent baseline)
     width: int  # of the activations; 0 when it reads none
     bundle: bytes  # the archive FetchArtifact streams
+    artifact: str  # the name Info lists it under (MOA_ARTIFACT or FALCON_ARTIFACT)
 
 
 def find_drafter(choice: str, model_id: str) -> Path | None:
-    """`--drafter-dir`: 'default' is the drafter committed for the model (if any), 'none' none,
-    anything else a directory holding moa.safetensors and moa_config.json."""
+    """`--drafter-dir`: 'default' is the MoA drafter committed for the model (if any),
+    'falcon' the Falcon drafter committed for it, 'none' none, anything else a directory
+    holding moa.safetensors and moa_config.json."""
     if choice == "none":
         return None
-    if choice == "default":
-        return committed_drafter(model_id)
+    if choice in ("default", "falcon"):
+        found = committed_drafter(model_id, falcon=choice == "falcon")
+        if found is None and choice == "falcon":
+            raise FileNotFoundError(f"no Falcon drafter is committed for {model_id}: train one "
+                                    "with `cloud-server train-drafter --method falcon`")
+        return found
     path = Path(choice)
     if not (path / WEIGHTS).is_file() or not (path / CONFIG).is_file():
         raise FileNotFoundError(f"{path} holds no trained drafter ({WEIGHTS}, {CONFIG})")
@@ -61,4 +66,6 @@ def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
         print("building the drafter bundle (ONNX export, int8) ...", file=sys.stderr, flush=True)
         built = [build_bundle(drafter_dir, target.model, target.model_id, root,
                               target.tokenizer_json(), precisions=PRECISIONS)]
-    return ServedDrafter(activations, config.width if activations else 0, archive(built[0]))
+    manifest = BundleManifest.from_json((built[0] / MANIFEST_NAME).read_text())
+    return ServedDrafter(activations, config.width if activations else 0, archive(built[0]),
+                         manifest.artifact)

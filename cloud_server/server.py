@@ -11,7 +11,7 @@ from cloud_server.artifacts import ArtifactStore
 from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.calibrate import measure_verify_costs
 from cloud_server.health_check import SERVICE_NAME
-from cloud_server.drafter_serving import BUNDLE_ARTIFACT, serve_drafter
+from cloud_server.drafter_serving import serve_drafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.pacing import PacingPolicy
 from cloud_server.security import Security
@@ -49,8 +49,8 @@ def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread
     drafter = None
     if drafter_dir is not None:
         drafter = model_thread.call(serve_drafter, drafter_dir, target)
-        artifacts.add(BUNDLE_ARTIFACT, ArtifactKind.DRAFTER_BUNDLE, drafter.bundle)
-        print(f"drafter bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
+        artifacts.add(drafter.artifact, ArtifactKind.DRAFTER_BUNDLE, drafter.bundle)
+        print(f"{drafter.artifact} bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
               f"{drafter.width}", file=sys.stderr, flush=True)
     if batch_tokens and not target.batchable:
         print(f"{target.model_id} cannot batch sessions (its attention does not go through "

@@ -43,9 +43,10 @@ EXIT_USAGE, EXIT_LINK = 2, 3
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
     p.add_argument("--drafter", choices=[d.value for d in DrafterName], default=DEFAULT_DRAFTER,
-                   help="'moa': the trained drafter the server offers (fetched once, cached); "
-                        "pld, aded: training-free; 'auto': moa when the server offers it, "
-                        "else pld (default %(default)s)")
+                   help="'moa', 'falcon': the trained drafter the server offers (fetched "
+                        "once, cached; falcon drafts several tokens a step); pld, aded: "
+                        "training-free; 'auto': the trained drafter the server offers, else "
+                        "pld (default %(default)s)")
     p.add_argument("--activations", choices=[f.name.lower() for f in ActivationFormat],
                    default="fp16", help="how the MoA drafter's activations travel")
     p.add_argument("--max-new-tokens", type=positive, default=256)

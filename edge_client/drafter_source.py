@@ -13,22 +13,36 @@ from typing import AsyncIterator, Callable
 
 from shared.drafting import DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName
+from edge_client.drafters.falcon import FalconDrafter
 from edge_client.drafters.moa import MoaDrafter  # onnxruntime loads only when one is built
 from edge_client.drafters.moa_bundle import bundle_cache_dir, find_bundle, install_bundle
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
-from shared.messages import ArtifactKind, ServerInfo
+from shared.drafter_bundle import FALCON_ARTIFACT, MOA_ARTIFACT
+from shared.messages import ArtifactInfo, ArtifactKind, ServerInfo
 
-FALLBACK = DrafterName.PLD  # what 'auto' drafts with when the MoA drafter is not an option
+FALLBACK = DrafterName.PLD  # what 'auto' drafts with when no trained drafter is offered
+# the drafters that come as a bundle from the server, by the name Info lists it under
+TRAINED = {DrafterName.MOA: (MOA_ARTIFACT, MoaDrafter),
+           DrafterName.FALCON: (FALCON_ARTIFACT, FalconDrafter)}
+
+
+def offered_drafter(info: ServerInfo) -> tuple[DrafterName, ArtifactInfo] | None:
+    """The trained drafter the server offers (one at most), and its bundle artifact."""
+    for artifact in info.artifacts:
+        for name, (artifact_name, _) in TRAINED.items():
+            if artifact.kind is ArtifactKind.DRAFTER_BUNDLE and artifact.name == artifact_name:
+                return name, artifact
+    return None
 
 
 def resolve_drafter(name: DrafterName, info: ServerInfo) -> DrafterName:
-    """'auto' is the MoA drafter when the server offers one (it measured best: README), else
-    pld; any other name stays as it is."""
+    """'auto' is the trained drafter the server offers (MoA or Falcon: they measured best,
+    README), else pld; any other name stays as it is."""
     if name is not DrafterName.AUTO:
         return name
-    offered = any(a.kind is ArtifactKind.DRAFTER_BUNDLE for a in info.artifacts)
-    return DrafterName.MOA if offered else FALLBACK
+    offered = offered_drafter(info)
+    return offered[0] if offered else FALLBACK
 
 
 def sampling_acceptance(name: DrafterName) -> AcceptanceMode:
@@ -37,14 +51,14 @@ def sampling_acceptance(name: DrafterName) -> AcceptanceMode:
     if name is DrafterName.AUTO:
         raise ValueError("'auto' names no drafter yet: build the request from the options of "
                          "an entered EdgeClient, which resolves it against the server")
-    if name is DrafterName.MOA:
-        return MoaDrafter.sampling_acceptance
+    if name in TRAINED:
+        return TRAINED[name][1].sampling_acceptance
     return DRAFTERS[name].sampling_acceptance
 
 
 class DrafterPool:
     """Lends a drafter to each generation. Training-free drafters are cheap and made fresh each
-    time; the MoA drafter (ONNX sessions, slow to build) is built once and lent to one
+    time; a trained drafter (ONNX sessions, slow to build) is built once and lent to one
     generation at a time."""
 
     def __init__(self, make: Callable[[], Drafter], shared: bool):
@@ -67,23 +81,28 @@ class DrafterPool:
 
 async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo,
                        draft_graphs: bool = False) -> DrafterPool:
-    """`draft_graphs`: the MoA drafter merges repeated tokens into draft graphs (GSD)."""
-    if name is not DrafterName.MOA:
+    """`draft_graphs`: a trained drafter merges repeated tokens into draft graphs (GSD)."""
+    if name not in TRAINED:
         return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth),
                            shared=False)
-    bundle_dir = await _moa_bundle(link, info)
-    return DrafterPool(lambda: MoaDrafter(bundle_dir, merge=draft_graphs), shared=True)
+    bundle_dir = await _trained_bundle(name, link, info)
+    kind = TRAINED[name][1]
+    return DrafterPool(lambda: kind(bundle_dir, merge=draft_graphs), shared=True)
 
 
-async def _moa_bundle(link: ServerLink, info: ServerInfo) -> Path:
-    bundle = next((a for a in info.artifacts if a.kind is ArtifactKind.DRAFTER_BUNDLE), None)
-    if bundle is None:
-        raise LinkError(f"the server ({info.model_id}) offers no MoA drafter: use --drafter "
+async def _trained_bundle(name: DrafterName, link: ServerLink, info: ServerInfo) -> Path:
+    offered = offered_drafter(info)
+    if offered is None:
+        raise LinkError(f"the server ({info.model_id}) offers no trained drafter: use --drafter "
                         f"{' or '.join(sorted(DRAFTERS))}")
+    if offered[0] is not name:
+        raise LinkError(f"the server ({info.model_id}) offers the {offered[0]} drafter, not "
+                        f"{name}: use --drafter {offered[0]} (or auto)")
+    bundle = offered[1]
     cached = bundle_cache_dir(bundle.sha256)
     if cached.is_dir():
         return find_bundle(cached)
-    print(f"fetching the MoA drafter ({bundle.size_bytes / 1e6:.1f} MB) from {link.address}; "
-          "it is cached for next time", file=sys.stderr, flush=True)
+    print(f"fetching the {name} drafter ({bundle.size_bytes / 1e6:.1f} MB) from "
+          f"{link.address}; it is cached for next time", file=sys.stderr, flush=True)
     data = await link.fetch_artifact(bundle.name, bundle.sha256, bundle.size_bytes)
     return install_bundle(data, bundle.sha256)

@@ -18,8 +18,14 @@ BUNDLE_FORMAT = 1
 # a recurrent drafter's step graph takes and returns features (StepIO): an edge that predates
 # it must refuse the bundle by its format rather than fail at its first draft
 RECURRENT_FORMAT = 2
-FORMATS = (BUNDLE_FORMAT, RECURRENT_FORMAT)
+# a semi-autoregressive (Falcon) drafter's step graph is the same, but its outputs mean the
+# tokens `block` positions on: an edge that predates it would draft garbage with it
+BLOCK_FORMAT = 3
+FORMATS = (BUNDLE_FORMAT, RECURRENT_FORMAT, BLOCK_FORMAT)
 MANIFEST_NAME = "bundle.json"
+# the names Info lists a bundle under: the edge picks its drafter by them before fetching
+MOA_ARTIFACT = "drafter-moa"
+FALCON_ARTIFACT = "drafter-falcon"
 TOKENIZER_NAME = "tokenizer.json"
 
 
@@ -109,6 +115,16 @@ class BundleManifest:
         """Whether the drafter feeds its own features back (StepIO)."""
         return bool(self.config.get("recurrent", False))
 
+    @property
+    def block(self) -> int:
+        """Tokens the drafter drafts per step: 1 for MoA, more for Falcon (MoaConfig.block)."""
+        return int(self.config.get("block", 1))
+
+    @property
+    def artifact(self) -> str:
+        """The name Info lists this bundle under."""
+        return FALCON_ARTIFACT if self.block > 1 else MOA_ARTIFACT
+
     def graph(self, precision: Precision, graph: Graph) -> str:
         if precision not in self.graphs:
             offered = ", ".join(p.value for p in self.graphs)
@@ -116,7 +132,8 @@ class BundleManifest:
         return self.graphs[precision][graph]
 
     def to_json(self) -> str:
-        data = {"format": RECURRENT_FORMAT if self.recurrent else BUNDLE_FORMAT,
+        data = {"format": (BLOCK_FORMAT if self.block > 1 else
+                           RECURRENT_FORMAT if self.recurrent else BUNDLE_FORMAT),
                 "model_id": self.model_id, "top_k": self.top_k,
                 "config": self.config, "files": self.files,
                 "graphs": {p.value: {g.value: name for g, name in files.items()}

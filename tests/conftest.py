@@ -109,3 +109,32 @@ def tiny_recurrent_bundle(tiny_target, tiny_recurrent_dir: Path,
     return build_bundle(tiny_recurrent_dir, tiny_target.model, "tiny-llama",
                         tmp_path_factory.mktemp("recurrent"), tiny_target.tokenizer_json(),
                         precisions=(Precision.FP32,))
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Falcon drafter (input 'last', 2 tokens a step, with glancing), trained briefly."""
+    from cloud_server.moa.config import ServerInput
+    from cloud_server.training.data import Sample, answer_batch
+    from cloud_server.training.moa import Trainer, TrainSettings
+
+    prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
+    answers = answer_batch(tiny_target, prompts, max_new_tokens=32)
+    samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
+    out = tmp_path_factory.mktemp("tiny-falcon")
+    settings = TrainSettings(steps=60, batch_tokens=256, lr=3e-3, warmup=5, draft_vocab=200,
+                             checkpoint_every=1000, server_inputs=(ServerInput.LAST_HIDDEN,),
+                             block=2)
+    Trainer(tiny_target.model, samples, settings, out, stop_ids=(2,)).run()
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon_bundle(tiny_target, tiny_falcon_dir: Path,
+                       tmp_path_factory: pytest.TempPathFactory):
+    from cloud_server.moa.bundle import build_bundle
+
+    return build_bundle(tiny_falcon_dir, tiny_target.model, "tiny-llama",
+                        tmp_path_factory.mktemp("falcon"), tiny_target.tokenizer_json(),
+                        precisions=(Precision.FP32,))
+

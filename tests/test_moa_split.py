@@ -122,7 +122,7 @@ def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path,
 
 
 def test_moa_is_refused_by_a_server_without_a_drafter(tiny_server):
-    with pytest.raises(LinkError, match="no MoA drafter"):
+    with pytest.raises(LinkError, match="no trained drafter"):
         run(tiny_server.address, ClientOptions("moa", 8, MAX_NEW))
 
 

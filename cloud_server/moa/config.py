@@ -11,6 +11,9 @@ the tokens' own embeddings (the paper's "Independent" baseline: the same network
 target's states, so the pair measures what the activations are worth).
 `server_input` says what the server half turns into those activations (`ServerInput`); either
 way one row of the target's width travels per verified token, so the edge half is the same.
+`block` > 1 makes the same network a semi-autoregressive drafter (Falcon, Gao et al. 2025,
+arXiv 2412.12639): a block of `block` tokens that see each other drafts the next `block`
+tokens in one step (cloud_server/training/sar.py).
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class MoaConfig:
     # each query also reads the previous position's feature: the server's activation where it
     # is verified, else the drafter's own output through the server half (EAGLE's recurrence)
     recurrent: bool = False
+    block: int = 1  # tokens drafted per step: 1 the MoA drafter, more Falcon's (module docstring)
     format_version: int = FORMAT_VERSION
 
     @classmethod
@@ -70,7 +74,7 @@ class MoaConfig:
                     lsa_intermediate: int | None = None, draft_vocab: int = 0,
                     lsa_stride: int = 2,
                     server_input: ServerInput = ServerInput.LAYER_KV,
-                    recurrent: bool = False) -> "MoaConfig":
+                    recurrent: bool = False, block: int = 1) -> "MoaConfig":
         """Sizes for any Llama-like transformers config (hidden_size, num_*_heads, ...).
 
         The LSA reads every `lsa_stride`-th layer counting down from the last: on this CPU the
@@ -92,13 +96,19 @@ class MoaConfig:
                    rope_theta=float(theta), rms_eps=float(config.rms_norm_eps),
                    draft_vocab=draft_vocab if 0 < draft_vocab < config.vocab_size else 0,
                    server_input=server_input,
-                   hidden_layers=server_input.hidden_layers(layers), recurrent=recurrent)
+                   hidden_layers=server_input.hidden_layers(layers), recurrent=recurrent,
+                   block=block)
 
     def __post_init__(self) -> None:
         if self.recurrent and (self.server_input is not ServerInput.LAST_HIDDEN
                                or not self.uses_activations):
             raise ValueError("a recurrent drafter reads the last layer's output (server input "
                              "'last'): it feeds its own output back in the same place")
+        if self.block < 1:
+            raise ValueError(f"a drafter drafts at least one token a step, not {self.block}")
+        if self.block > 1 and self.recurrent:
+            raise ValueError("a semi-autoregressive (Falcon) drafter reads verified activations "
+                             "only: it cannot also be recurrent")
 
     @property
     def uses_activations(self) -> bool:

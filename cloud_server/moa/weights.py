@@ -20,9 +20,12 @@ CONFIG = "moa_config.json"
 TRAINED = Path(__file__).resolve().parent / "trained"  # committed drafters, one dir per model id
 
 
-def committed_drafter(model_id: str) -> Path | None:
-    """The drafter committed to the repo for a target model id, if there is one."""
-    directory = TRAINED / model_id
+FALCON = "falcon"  # the committed Falcon drafter's directory inside a model's
+
+
+def committed_drafter(model_id: str, falcon: bool = False) -> Path | None:
+    """The MoA (or Falcon) drafter committed to the repo for a target model id, if any."""
+    directory = TRAINED / model_id / (FALCON if falcon else "")
     return directory if (directory / WEIGHTS).is_file() else None
 
 

@@ -69,6 +69,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--depth-weight", type=float, default=d.depth_weight,
                    help="--recurrent: depth k's loss weighs this to the power k - 1 "
                         "(default %(default)s)")
+    p.add_argument("--method", choices=("moa", "falcon"), default="moa",
+                   help="moa: one token per drafting step; falcon: Falcon's semi-"
+                        "autoregressive drafter, --block tokens per step, trained with "
+                        "Coupled Sequential Glancing Distillation (default %(default)s)")
+    p.add_argument("--block", type=positive, default=2, metavar="K",
+                   help="--method falcon: tokens drafted per step (default %(default)s)")
+    p.add_argument("--glance", type=float, default=d.glance,
+                   help="--method falcon: the glancing rate at the start, falling to a tenth "
+                        "of it (default %(default)s; 0: no glancing)")
     p.add_argument("--kl-weight", type=float, default=d.kl_weight,
                    help="weight of KL(target || drafter) in the loss (default %(default)s; "
                         "the MoA paper's: 0.1)")
@@ -88,6 +97,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.recurrent and [i.value for i in args.server_input] != ["last"]:
         p.error("--recurrent needs --server-input last: the drafter feeds its own output back "
                 "where the last layer's output goes")
+    if args.method == "falcon" and (args.recurrent or args.block < 2):
+        p.error("--method falcon drafts --block >= 2 tokens a step from verified activations "
+                "only: it takes no --recurrent")
+    if not 0 <= args.glance <= 1:
+        p.error("--glance is a rate between 0 and 1")
     return args
 
 
@@ -142,7 +156,9 @@ def main(argv: list[str]) -> int:
                              server_inputs=args.server_input, independent=args.independent,
                              recurrent=args.recurrent, unroll=args.unroll,
                              depth_weight=args.depth_weight, kl_weight=args.kl_weight,
-                             feature_weight=args.feature_weight, seed=args.seed)
+                             feature_weight=args.feature_weight, seed=args.seed,
+                             block=args.block if args.method == "falcon" else 1,
+                             glance=args.glance)
     trainer = Trainer(target.model, samples, settings, args.out, target.stop_token_ids())
     if args.resume and (args.out / CHECKPOINT).exists():
         trainer.load_checkpoint()

@@ -14,6 +14,8 @@ feature loss 1; here both weigh 1 by default because acceptance is judged on the
 
 A recurrent student (`recurrent`) is trained as it drafts instead (unroll.py): its loss is the
 mean over draft depths 1 .. `unroll` of the same loss, every answer position at every depth.
+With `block` > 1 every student is Falcon's semi-autoregressive drafter instead, drafting that
+many tokens per step and trained with Coupled Sequential Glancing Distillation (sar.py).
 
 `server_inputs` lists one MoA student per server-half input, and with `independent` the paper's
 "Independent" baseline trains alongside: the same edge network whose Cross-Attention reads the
@@ -34,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from shared import progress
 from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
 from cloud_server.training.boundaries import causal_mask, cross_mask
+from cloud_server.training.distill import distill_loss
+from cloud_server.training.sar import block_loss
 from cloud_server.training.unroll import unrolled
 from torch import nn
 
@@ -71,6 +74,8 @@ class TrainSettings:
     recurrent: bool = False  # MoA students feed their own output back (input 'last' only)
     unroll: int = 4  # draft depths a recurrent student trains at, one pass each (unroll.py)
     depth_weight: float = 1.0  # depth k's loss weighs depth_weight ** (k - 1)
+    block: int = 1  # tokens drafted per step: more than 1 trains Falcon's drafter (sar.py)
+    glance: float = 0.45  # Falcon's glancing rate lambda at the start (sar.py); 0: none
     checkpoint_every: int = 50
     snapshot_every: int = 0  # also write every student's weights to OUT/snapshots/step-N (0: off)
     seed: int = 0
@@ -116,20 +121,6 @@ def _others(running: dict[str, float], names: list[str]) -> str:
     """The other students' part of a progress line."""
     return "".join(f"  ({name} kl {running[name + '_kl']:.3f} top1 {running[name + '_top1']:.3f})"
                    for name in names)
-
-
-def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tensor,
-                 settings: TrainSettings) -> tuple[torch.Tensor, dict[str, float]]:
-    """hidden, target_hidden: [n, width] at the selected positions -> loss, stats."""
-    log_q = edge.logits(hidden).log_softmax(-1)  # [n, vocab]
-    with torch.no_grad():
-        log_p = edge.logits(target_hidden).log_softmax(-1)  # [n, vocab]
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean()
-    feature = F.smooth_l1_loss(hidden, target_hidden)
-    loss = settings.kl_weight * kl + settings.feature_weight * feature
-    top1 = (log_q.argmax(-1) == log_p.argmax(-1)).float().mean()
-    return loss, {"loss": loss.item(), "kl": kl.item(), "feature": feature.item(),
-                  "top1": top1.item()}
 
 
 def depth_losses(student: "Student", batch: Batch, memory: torch.Tensor,
@@ -194,7 +185,7 @@ class Trainer:
             raise ValueError("train at least one MoA student (server_inputs)")
         configs = [MoaConfig.from_target(target.config, draft_vocab=settings.draft_vocab,
                                          server_input=server_input,
-                                         recurrent=settings.recurrent)
+                                         recurrent=settings.recurrent, block=settings.block)
                    for server_input in settings.server_inputs]
         self.config = configs[0]
         if settings.independent:
@@ -264,6 +255,11 @@ class Trainer:
             if student.config.recurrent:
                 loss, own = depth_losses(student, batch, memory, teacher_pass.target_hidden,
                                          self.settings)
+            elif student.config.block > 1:
+                loss, own = block_loss(student.edge, batch.ids, memory,
+                                       teacher_pass.target_hidden, batch.select, ca,
+                                       self.settings, self.step_count / self.settings.steps,
+                                       self.generator)
             else:
                 hidden = student.edge(batch.ids, memory, sa, ca)
                 loss, own = distill_loss(student.edge, hidden[batch.select], target_hidden,
@@ -335,7 +331,7 @@ class Trainer:
 
     def load_checkpoint(self) -> None:
         state = torch.load(self.out / CHECKPOINT, map_location=self.device, weights_only=False)
-        if state["config"] != self.config.to_dict():
+        if MoaConfig.from_dict(state["config"]) != self.config:
             raise ValueError(f"{self.out / CHECKPOINT} was trained with other sizes")
         names = state.get("names", ["", INDEPENDENT][:len(state["students"])])
         if names != [s.name for s in self.students]:

@@ -31,7 +31,7 @@ from edge_client.drafters.moa_bundle import load_manifest
 from shared.drafting.pld import PromptLookupDrafter
 from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
-from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
+from shared.drafter_bundle import BundleError, Graph, Memory, MemoryIO, Precision, StepIO
 from shared.drafting.base import DrafterName
 from shared.draft_q import NodeQ, Proposal
 from shared.graph import DraftGraph, breadth_first
@@ -80,6 +80,7 @@ class MoaDrafter:
     name = DrafterName.MOA
     # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
+    semi_autoregressive = False  # bundles with config "block" > 1 are FalconDrafter's
 
     def __init__(self, bundle_dir: Path, precision: Precision = Precision.INT8, max_depth: int = 8,
                  beam: int = 8, branch: int = 8, threads: int = 1,
@@ -87,6 +88,11 @@ class MoaDrafter:
         import onnxruntime as ort
 
         manifest = load_manifest(bundle_dir)
+        if (manifest.block > 1) != self.semi_autoregressive:
+            kind = DrafterName.FALCON if manifest.block > 1 else DrafterName.MOA
+            raise BundleError(f"this drafter bundle is a {kind} drafter ({manifest.block} "
+                              f"token(s) a step): draft with --drafter {kind}")
+        self.block = manifest.block
         config = manifest.config
         self.kv_heads, self.head_dim = config["kv_heads"], config["head_dim"]
         self.width = config["width"]

@@ -21,6 +21,7 @@ class DrafterName(StrEnum):
 
     AUTO = "auto"  # the edge's choice: MOA when the server offers it, else PLD
     MOA = "moa"  # the trained drafter (edge_client/drafters/moa.py)
+    FALCON = "falcon"  # the trained semi-autoregressive drafter (edge_client/drafters/falcon.py)
     PLD = "pld"
     ADED = "aded"
 

@@ -1,0 +1,165 @@
+"""Falcon's semi-autoregressive drafter (MoaConfig.block > 1): the relaxed causal mask and
+glancing of training (cloud_server/training/sar.py), the edge drafting `block` tokens per step
+from the exported graphs exactly as training computed them, split decoding with it identical
+to plain greedy decoding, and each drafter refusing the other's bundle."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.moa.activations import ServerActivations
+from cloud_server.moa.config import MoaConfig, ServerInput
+from cloud_server.moa.layers import additive_mask
+from cloud_server.moa.weights import load_drafter
+from cloud_server.reference import plain_greedy
+from cloud_server.training.sar import block_ends, glance, relaxed_mask
+from edge_client.drafters.falcon import FalconDrafter
+from edge_client.client import ClientOptions, EdgeClient
+from edge_client.drafters.moa import MoaDrafter
+from edge_client.link import LinkError
+from shared.drafter_bundle import FALCON_ARTIFACT, BundleError, Precision
+from shared.messages import Limits, Pace
+from shared.tree import DraftTree
+from tests.in_process import split_greedy
+from tests.server_harness import ServerThread
+
+PROMPT = [1, 46, 47, 48, 49]
+
+
+def test_blocks_and_the_relaxed_mask():
+    assert block_ends(7, 2, 0).tolist() == [1, 1, 3, 3, 5, 5, 7]
+    assert block_ends(7, 3, 1).tolist() == [0, 3, 3, 3, 6, 6, 6]
+    allowed = relaxed_mask(block_ends(4, 2, 0))[0, 0] == 0
+    assert allowed.tolist() == [[True, True, False, False], [True, True, False, False],
+                                [True, True, True, True], [True, True, True, True]]
+
+
+def test_glancing_hands_chosen_block_starts_what_they_predict():
+    ids = torch.arange(10)[None].repeat(2, 1)  # [2, 10]
+    memory = torch.arange(10.0)[None, :, None].repeat(2, 1, 3)  # [2, 10, 3]
+    wrong = torch.zeros(2, 10, dtype=torch.bool)
+    wrong[0, :6] = True  # six wrong in row 0, none in row 1
+    starts = torch.zeros(2, 10, dtype=torch.bool)
+    starts[:, [0, 2, 4, 6]] = True
+    new_ids, new_memory, glanced = glance(ids, memory, wrong, starts, 0.5, 2,
+                                          torch.Generator().manual_seed(0))
+    chosen = glanced[0].nonzero().flatten()
+    assert len(chosen) == 3 and not glanced[1].any()
+    assert (new_ids[0, chosen] == chosen + 2).all() and (new_memory[0, chosen, 0] == chosen + 2).all()
+    assert (new_ids[:, ~glanced[0]] == ids[:, ~glanced[0]]).all()
+    assert (ids == torch.arange(10)).all()  # the inputs are not changed in place
+
+
+def falcon_parts(tiny_target, tiny_falcon_dir):
+    config, server, edge = load_drafter(tiny_falcon_dir, tiny_target.model)
+    assert config.block == 2 and server is not None
+    activations = ServerActivations.load(tiny_falcon_dir, tiny_target.model)
+    with torch.inference_mode(), LayerOutputs(tiny_target.model,
+                                              activations.hidden_layers) as seen:
+        tiny_target.model(input_ids=torch.tensor([PROMPT]))
+        acts = server(seen.stacked()[0].float())  # [len(PROMPT), width]
+    return edge, activations, acts
+
+
+@torch.no_grad()
+def training_chain(edge, ids: list[int], acts: torch.Tensor, steps: int) -> list[int]:
+    """Greedy tokens the training forward gives, block after block: blocks aligned to end at
+    the text's end, every query seeing the activations of the prompt."""
+    ids = list(ids)
+    for _ in range(steps):
+        length = len(ids)
+        ends = block_ends(length, edge.config.block, length % edge.config.block)
+        verified = torch.arange(length)[None, :] < len(acts)
+        memory = torch.cat((acts, torch.zeros(length - len(acts), acts.shape[1])))
+        hidden = edge(torch.tensor([ids]), memory[None], relaxed_mask(ends),
+                      additive_mask(verified.expand(length, length))[None, None])
+        rows = edge.logits(hidden[0, -edge.config.block:]).argmax(-1)
+        ids += [int(edge.vocab_ids[r]) for r in rows]
+    return ids[-steps * edge.config.block:]
+
+
+def test_edge_drafts_what_training_computed(tiny_target, tiny_falcon_dir, tiny_falcon_bundle):
+    """A greedy chain of 6 tokens takes 3 steps of 2 on the edge, and equals the relaxed-mask
+    training forward run block by block; the bundle says its block in a format older edges
+    refuse."""
+    edge, _, acts = falcon_parts(tiny_target, tiny_falcon_dir)
+    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6, beam=1,
+                            branch=1, lookup_nodes=0)
+    assert '"format": 3' in (tiny_falcon_bundle / "bundle.json").read_text()
+    drafter.reset(PROMPT)
+    drafter.add_activations(0, acts.numpy())
+    calls = []
+    run_step = drafter._run_step
+    drafter._run_step = lambda *a: calls.append(len(a[0])) or run_step(*a)  # type: ignore
+    for context in (PROMPT + [30], PROMPT + [30, 31, 32]):
+        calls.clear()
+        tree = drafter.propose(context, max_nodes=6)
+        assert tree == DraftTree.chain(tree.tokens) and len(tree) == 6
+        assert tree.tokens == tuple(training_chain(edge, context, acts, 3))
+        assert len(calls) == 3 and calls[1:] == [2, 2]  # the text's new tokens, 2 blocks of 2
+
+
+def test_split_decoding_with_falcon_equals_plain_greedy(tiny_target, tiny_falcon_dir,
+                                                        tiny_falcon_bundle):
+    _, server, _ = falcon_parts(tiny_target, tiny_falcon_dir)
+    for merge in (False, True):
+        drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6,
+                                beam=4, branch=4, merge=merge)
+        tokens, per_round = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
+        assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
+        assert sum(per_round) / len(per_round) > 1.5, per_round
+
+
+def test_each_drafter_refuses_the_others_bundle(tiny_falcon_bundle, tiny_bundle):
+    with pytest.raises(BundleError, match="--drafter falcon"):
+        MoaDrafter(tiny_falcon_bundle, precision=Precision.FP32)
+    with pytest.raises(BundleError, match="--drafter moa"):
+        FalconDrafter(tiny_bundle)
+
+
+def test_a_falcon_drafter_is_not_recurrent(tiny_target):
+    with pytest.raises(ValueError, match="semi-autoregressive"):
+        MoaConfig.from_target(tiny_target.model.config, block=2, recurrent=True,
+                              server_input=ServerInput.LAST_HIDDEN)
+    with pytest.raises(ValueError, match="at least one token"):
+        MoaConfig.from_target(tiny_target.model.config, block=0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "falcon", "--recurrent", "--server-input", "last"], "takes no --recurrent"),
+    (["--method", "falcon", "--block", "1"], "--block >= 2"),
+    (["--method", "falcon", "--glance", "1.5"], "--glance is a rate")])
+def test_train_drafter_refuses_a_falcon_it_cannot_train(tmp_path, capsys, argv, message):
+    from cloud_server.training.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--out", str(tmp_path), *argv])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pace", [Pace.LOCKSTEP, Pace.SERVER])
+def test_falcon_through_the_server(tiny_target, tiny_falcon_dir, pace, tmp_path, monkeypatch):
+    """A server given a Falcon drafter lists its bundle as drafter-falcon; 'auto' picks it,
+    fetches it and stays lossless at either pace, and 'moa' is refused with what to use."""
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
+    prompts = [(1, 46, 47, 48, 49), (1, 60, 61, 62)]
+
+    async def go(drafter: str):
+        async with EdgeClient(server.address, ClientOptions(drafter, 16, 32, pace=pace)) as client:
+            return client.options.drafter, [
+                await client.generate(client.options.open_request(prompt_ids=p)) for p in prompts]
+
+    with ServerThread(tiny_target, limits, drafter_dir=tiny_falcon_dir) as server:
+        assert FALCON_ARTIFACT in {a.name for a in server.service.info().artifacts}
+        chosen, results = asyncio.run(go("auto"))
+        with pytest.raises(LinkError, match="offers the falcon drafter, not moa"):
+            asyncio.run(go("moa"))
+    assert chosen == "falcon"
+    for prompt, result in zip(prompts, results):
+        assert result.output_ids == plain_greedy(tiny_target, list(prompt), 32)
+    assert sum(r.rounds for r in results) < sum(len(r.output_ids) for r in results) / 1.5
