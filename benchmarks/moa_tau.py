@@ -12,7 +12,7 @@ Drafters (--drafters, comma-separated): pld, aded; moa (the --drafter directory)
 subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABEL=DIR for
 another trained drafter (a Falcon one, trained with --method falcon, drafts --block tokens per
 step: edge_client/drafters/falcon.py); any trained entry with +lookup merges prompt-lookup nodes
-into its trees.
+into its trees, and with +graphs merges repeated tokens into draft graphs (GSD).
 
     python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
@@ -120,13 +120,27 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
 
 TRAINING_FREE = ("pld", "aded")
 LOOKUP = "+lookup"
+GRAPHS = "+graphs"
 
 
-def moa_directory(entry: str, drafter: Path) -> Path:
-    """The trained drafter an entry of --drafters names (without +lookup)."""
-    if "=" in entry:
-        return Path(entry.split("=", 1)[1])
-    return drafter if entry == "moa" else drafter / entry
+@dataclass(frozen=True)
+class Entry:
+    """One trained drafter of --drafters: LABEL=DIR or a name, then +lookup and/or +graphs."""
+
+    name: str  # the label in the tables, with its suffixes
+    directory: Path
+    lookup: bool
+    graphs: bool
+
+    @classmethod
+    def parse(cls, text: str, drafter: Path) -> "Entry":
+        base, *suffixes = text.split("+")
+        label, _, path = base.partition("=")
+        directory = Path(path) if path else drafter if label == "moa" else drafter / label
+        if set(suffixes) - {LOOKUP[1:], GRAPHS[1:]}:
+            raise ValueError(f"{text}: the suffixes are {LOOKUP} and {GRAPHS}")
+        return cls("+".join((label, *suffixes)), directory, LOOKUP[1:] in suffixes,
+                   GRAPHS[1:] in suffixes)
 
 
 def main() -> None:
@@ -156,7 +170,10 @@ def main() -> None:
     for entry in args.drafters.split(","):
         if entry in TRAINING_FREE:
             continue
-        directory = moa_directory(entry.removesuffix(LOOKUP), args.drafter)
+        try:
+            directory = Entry.parse(entry, args.drafter).directory
+        except ValueError as err:
+            p.error(f"--drafters {err}")
         if not (directory / WEIGHTS).is_file():
             p.error(f"--drafters {entry}: no trained drafter in {directory} (train one with "
                     "`cloud-server train-drafter`, or leave it out)")
@@ -171,6 +188,7 @@ class Contender:
     server: Callable[..., np.ndarray] | None
     bundle: Path | None = None
     bundle_mb: float = 0.0  # the graphs the edge runs (--precision)
+    step_calls: Callable[[], int] | None = None  # a trained drafter's step graph runs so far
     rounds: dict[str, list[int]] = field(default_factory=dict)  # set -> committed per round
     draft_s: float = 0.0
     server_s: float = 0.0
@@ -187,15 +205,14 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
         if entry in TRAINING_FREE:
             built.append(Contender(entry, make_drafter(entry, depth_limit=args.max_depth), None))
             continue
-        directory = moa_directory(entry.removesuffix(LOOKUP), args.drafter)
-        lookup = args.lookup_nodes if entry.endswith(LOOKUP) else 0
-        name = entry.split("=")[0] + (LOOKUP if "=" in entry and lookup else "")
-        built.append(moa_contender(args, target, name, directory, lookup))
+        parsed = Entry.parse(entry, args.drafter)
+        built.append(moa_contender(args, target, parsed.name, parsed.directory,
+                                   args.lookup_nodes if parsed.lookup else 0, parsed.graphs))
     return built
 
 
 def moa_contender(args: argparse.Namespace, target, name: str, directory: Path,
-                  lookup: int) -> Contender:
+                  lookup: int, graphs: bool = False) -> Contender:
     """A trained drafter (its bundle exported once and cached) with its server half; `args`
     gives precision, max_depth and activations."""
     from cloud_server.moa.activations import ServerActivations
@@ -218,8 +235,8 @@ def moa_contender(args: argparse.Namespace, target, name: str, directory: Path,
     size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
     kind = FalconDrafter if manifest.block > 1 else MoaDrafter
     drafter = kind(bundle, precision=args.precision, max_depth=args.max_depth,
-                   lookup_nodes=lookup)
-    return Contender(name, drafter, server, bundle, size / 1e6)
+                   lookup_nodes=lookup, merge=graphs)
+    return Contender(name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -261,7 +278,7 @@ def _accepted_by_depth(rounds: list[int], depth: int) -> list[float]:
 
 def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
     plain_ms = plain_step_ms(target)
-    header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round",
+    header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round", "edge steps/round",
               "server half ms/round", "edge step ms (1/8 queries)", "bundle MB",
               "= plain greedy")
     rows, depth_rows, results = [], [], {}
@@ -271,6 +288,7 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
                   edge_step_ms(c.bundle, args.precision, 8)) if c.bundle else None)
         rows.append((c.name, *(f"{_tau(c.rounds[s]):.2f}" for s in evaluation.SETS),
                      f"{_tau(every):.2f}", f"{1000 * c.draft_s / len(every):.1f}",
+                     f"{c.step_calls() / len(every):.1f}" if c.step_calls else "-",
                      f"{1000 * c.server_s / len(every):.1f}" if c.server else "-",
                      f"{steps[0]:.2f} / {steps[1]:.2f}" if steps else "-",
                      f"{c.bundle_mb:.1f}" if c.bundle else "-",
@@ -280,6 +298,8 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
         results[c.name] = {"tau": {s: _tau(c.rounds[s]) for s in evaluation.SETS},
                            "mean_tau": _tau(every), "accepted_by_depth": accepted,
                            "edge_step_ms": steps, "bundle_mb": c.bundle_mb,
+                           "draft_ms": 1000 * c.draft_s / len(every),
+                           "edge_steps": c.step_calls() / len(every) if c.step_calls else None,
                            "lossless": [c.lossless, c.runs]}
     depth_header = ("drafter", *(f"d={d}" for d in range(1, args.max_depth + 1)))
     how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
@@ -296,8 +316,8 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
     (RESULTS / f"{args.name}.md").write_text(text)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(
         {"drafters": results, "plain_step_ms": plain_ms}, indent=1))
-    series = {c.name: [_tau(c.rounds[s]) for s in evaluation.SETS] + [results[c.name]["mean_tau"]]
-              for c in tested}
+    series = {c.name: [_tau(c.rounds[s]) for s in evaluation.SETS]
+              + [_tau([n for rounds in c.rounds.values() for n in rounds])] for c in tested}
     grouped_bars(RESULTS / f"{args.name}.png", [*evaluation.SETS, "all"], series,
                  "tau (tokens per round)",
                  f"Drafters in process, {how}, tree <= {args.max_nodes} nodes (moa_tau.py)",

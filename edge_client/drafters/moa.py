@@ -104,6 +104,7 @@ class MoaDrafter:
         self.branch = min(branch, manifest.top_k)
         self.lookup_nodes = lookup_nodes
         self.merge = merge
+        self.step_calls = 0  # step graph runs so far (benchmarks/moa_tau.py: steps per round)
         self._lookup = PromptLookupDrafter()
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -164,6 +165,7 @@ class MoaDrafter:
         `features` [q, width] for a recurrent drafter, else None."""
         inputs = (ids, positions, past_keys, past_values, allowed, self._mem_keys,
                   self._mem_values) + ((features,) if self.recurrent else ())
+        self.step_calls += 1
         return self._step.run(None, dict(zip(StepIO.inputs(self.recurrent), inputs)))
 
     def _remember_tokens(self, context: Sequence[int]) -> None:
