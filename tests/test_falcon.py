@@ -163,3 +163,15 @@ def test_falcon_through_the_server(tiny_target, tiny_falcon_dir, pace, tmp_path,
     for prompt, result in zip(prompts, results):
         assert result.output_ids == plain_greedy(tiny_target, list(prompt), 32)
     assert sum(r.rounds for r in results) < sum(len(r.output_ids) for r in results) / 1.5
+
+
+def test_inside_a_block_every_node_is_expanded(tiny_target, tiny_falcon_dir, tiny_falcon_bundle):
+    """Children inside a block come from rows already computed, so the beam limits only the
+    nodes that end a block: both first-level nodes are expanded, one of the second level's."""
+    _, _, acts = falcon_parts(tiny_target, tiny_falcon_dir)
+    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=3, beam=1,
+                            branch=2, lookup_nodes=0)
+    drafter.reset(PROMPT)
+    drafter.add_activations(0, acts.numpy())
+    tree = drafter.propose(PROMPT + [30], max_nodes=64)
+    assert sorted(tree.depths()) == [0] * 2 + [1] * 4 + [2] * 2

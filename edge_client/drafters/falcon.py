@@ -11,11 +11,14 @@ ancestors, and each other). So a tree of depth D costs D / k steps instead of D.
 
 The tree around it is MoaDrafter's: the EAGLE-2 dynamic tree over cumulative log q, prompt
 lookup nodes, graph merging and sampled trees all work unchanged, since only how a node's
-children are scored differs. Falcon's static tree (its `choices`, tuned for Vicuna at top-20
-and 165 nodes) is not reproduced: the dynamic tree adapts to any node budget.
+children are scored differs, and one thing Falcon's tree does: inside a block, where children
+cost no step, every node that could still make the cut is expanded, not only the best `beam`.
+Falcon's static tree (its `choices`, tuned for Vicuna at top-20 and 165 nodes) is not
+reproduced: the dynamic tree adapts to any node budget.
 """
 from __future__ import annotations
 
+import sys
 from typing import Sequence
 
 import numpy as np
@@ -32,6 +35,12 @@ class FalconDrafter(MoaDrafter):
     def _ready(self, context: Sequence[int]) -> bool:
         """A first block needs `block` tokens of text."""
         return len(context) >= self.block and super()._ready(context)
+
+    def _beam_at(self, depth: int) -> int:
+        """Inside a block, children come from rows already computed: every node that could
+        still make the cut is expanded, as Falcon's tree takes several tokens from one pass;
+        a node that ends a block costs queries in the next step, so only the best `beam` do."""
+        return self.beam if (depth + 1) % self.block == 0 else sys.maxsize
 
     def _sync(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Brings the SA cache to `context`, running at least its last `block` tokens, which see

@@ -289,8 +289,12 @@ class MoaDrafter:
         at_depth = [i for i, d in enumerate(nodes.depths) if d == depth]
         at_depth.sort(key=lambda i: -nodes.scores[i])
         cutoff = sorted(nodes.scores, reverse=True)[min(max_nodes, len(nodes.scores)) - 1]
-        return [i for i in at_depth[:self.beam] if i not in nodes.aliases
+        return [i for i in at_depth[:self._beam_at(depth)] if i not in nodes.aliases
                 and (nodes.scores[i] >= cutoff or len(nodes.scores) < max_nodes)]
+
+    def _beam_at(self, depth: int) -> int:
+        """How many nodes at `depth` (0: the first level) may be expanded."""
+        return self.beam
 
     def _expander(self, context: Sequence[int]) -> Expand:
         """One round's `Expand`: it keeps the round's K/V ([kv_heads, slots, hd]), a recurrent
