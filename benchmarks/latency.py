@@ -45,6 +45,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--profiles", default=",".join(p for p in PROFILES if "lossy" not in p))
     p.add_argument("--drafter", default="pld", help="the split client's drafter")
+    p.add_argument("--drafter-dir", default="default",
+                   help="the trained drafter the server offers (cloud-server --drafter-dir: "
+                        "default, falcon, none or a directory)")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated, from: plain-api, server-spec, "
                         + ", ".join(SPLIT_PACES))
@@ -251,7 +254,7 @@ def main() -> None:
     args = parse_args()
     log(machine())
     items = [row for name in prompts.SETS for row in prompts.load(name, args.per_set)]
-    with cloud_server("--device", "cpu") as address:
+    with cloud_server("--device", "cpu", "--drafter-dir", args.drafter_dir) as address:
         records = []
         for profile in args.profiles.split(","):
             records += asyncio.run(run_profile(address, profile, items, args))

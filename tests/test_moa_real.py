@@ -1,5 +1,6 @@
-"""The committed MoA drafter on the real SmolLM2 target: exported, fed in-process by the server
-half, its split greedy output equals plain greedy decoding and it gets drafts accepted."""
+"""The committed MoA and Falcon drafters on the real SmolLM2 target: exported, fed in-process
+by the server half, their split greedy output equals plain greedy decoding and they get drafts
+accepted."""
 from __future__ import annotations
 
 import pytest
@@ -20,20 +21,23 @@ def real_target():
     return TargetModel.load(*model_store.resolve("default"), "cpu")
 
 
-def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path):
+@pytest.mark.parametrize("falcon", [False, True], ids=["moa", "falcon"])
+def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path, falcon):
     from cloud_server.moa.activations import ServerActivations
     from cloud_server.moa.bundle import build_bundle
     from cloud_server.moa.weights import committed_drafter
     from cloud_server.reference import compare, plain_greedy
+    from edge_client.drafters.falcon import FalconDrafter
     from edge_client.drafters.moa import MoaDrafter
     from shared.drafter_bundle import Precision
 
-    drafter_dir = committed_drafter(real_target.model_id)
+    drafter_dir = committed_drafter(real_target.model_id, falcon)
     if drafter_dir is None:
-        pytest.skip(f"no MoA drafter committed for {real_target.model_id}")
+        pytest.skip(f"no {'Falcon' if falcon else 'MoA'} drafter committed for "
+                    f"{real_target.model_id}")
     bundle = build_bundle(drafter_dir, real_target.model, real_target.model_id, tmp_path)
     server = ServerActivations.load(drafter_dir, real_target.model)
-    drafter = MoaDrafter(bundle, precision=Precision.INT8)
+    drafter = (FalconDrafter if falcon else MoaDrafter)(bundle, precision=Precision.INT8)
     prompt = real_target.apply_chat_template((ChatMessage("user", PROMPT),))
     tokens, per_round = split_greedy(real_target, server, drafter, prompt, 48, max_nodes=32)
     plain = plain_greedy(real_target, prompt, 48)
