@@ -21,7 +21,10 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.drafters.moa import MoaDrafter
 from edge_client.link import LinkError
 from shared.drafter_bundle import FALCON_ARTIFACT, BundleError, Precision
-from shared.messages import Limits, Pace
+from cloud_server.server_decoding import decode_in_process
+from shared.acceptance import AcceptanceMode
+from shared.messages import FinishReason, Limits, OpenRequest, Pace
+from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 from tests.in_process import split_greedy
 from tests.server_harness import ServerThread
@@ -175,3 +178,19 @@ def test_inside_a_block_every_node_is_expanded(tiny_target, tiny_falcon_dir, tin
     drafter.add_activations(0, acts.numpy())
     tree = drafter.propose(PROMPT + [30], max_nodes=64)
     assert sorted(tree.depths()) == [0] * 2 + [1] * 4 + [2] * 2
+
+
+@pytest.mark.parametrize("acceptance", [AcceptanceMode.SAMPLED_DRAFTS,
+                                        AcceptanceMode.TOPK_DRAFTS])
+def test_falcon_drafts_when_sampling(tiny_target, tiny_falcon_dir, tiny_falcon_bundle,
+                                     acceptance):
+    """Sampled trees draw each node's children from the row its block step gave, with that
+    row as q; both sampling rules accept some of Falcon's drafts and finish the text."""
+    _, server, _ = falcon_parts(tiny_target, tiny_falcon_dir)
+    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6)
+    request = OpenRequest(prompt_ids=tuple(PROMPT), max_new_tokens=32, acceptance=acceptance,
+                          sampling=SamplingParams(temperature=0.3, seed=3))
+    run = decode_in_process(tiny_target, request, drafter, 16, server)
+    committed = [len(v.tokens) for v in run.verdicts]
+    assert run.verdicts[-1].finish_reason in (FinishReason.LENGTH, FinishReason.STOP_TOKEN)
+    assert max(committed[1:]) > 1, f"no sampled draft was accepted: {committed}"
