@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Sequence
 
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table, write_results
-from benchmarks.moa_tau import moa_contender, split_decode
+from benchmarks.moa_tau import Entry, moa_contender, split_decode
 from shared import prompt_sets as evaluation
 from shared import wire
 from shared.drafter_bundle import Precision
@@ -90,7 +90,8 @@ def measure(args: argparse.Namespace) -> list[Tally]:
     from edge_client.drafters.moa import MoaDrafter
 
     target = TargetModel.load(*model_store.resolve("default"), "cpu")
-    base = moa_contender(args, target, "moa", args.drafter, args.lookup_nodes)
+    base = moa_contender(args, target, Entry("moa", args.drafter, lookup=True, graphs=False,
+                                             blind=False))
     variants = {name: Recorder(MoaDrafter(base.bundle, precision=args.precision,
                                           max_depth=args.max_depth,
                                           lookup_nodes=args.lookup_nodes, merge=merge))

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import RESULTS, machine, markdown_table, write_results
-from benchmarks.moa_tau import moa_contender, split_decode
+from benchmarks.moa_tau import Entry, moa_contender, split_decode
 from shared import prompt_sets as evaluation
 from shared.drafter_bundle import Precision
 from shared.messages import ChatMessage
@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> None:
     for step, directory in points(args.run):
         for student in students:
             where = directory if student == MAIN else directory / student
-            contender = moa_contender(args, target, student, where, 0)
+            contender = moa_contender(args, target, Entry(student, where, lookup=False,
+                                                          graphs=False, blind=False))
             rounds = []
             for prompt in prompts:
                 log = split_decode(target, contender.server, contender.drafter, prompt,

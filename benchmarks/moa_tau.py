@@ -12,7 +12,8 @@ Drafters (--drafters, comma-separated): pld, aded; moa (the --drafter directory)
 subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABEL=DIR for
 another trained drafter (a Falcon one, trained with --method falcon, drafts --block tokens per
 step: edge_client/drafters/falcon.py); any trained entry with +lookup merges prompt-lookup nodes
-into its trees, and with +graphs merges repeated tokens into draft graphs (GSD).
+into its trees, with +graphs merges repeated tokens into draft graphs (GSD), and with +blind
+drafts by log q under --acceptance exponential-race rather than by the race's keys (ERSD).
 
     python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
@@ -31,6 +32,7 @@ import numpy as np
 
 from shared import prompt_sets as evaluation
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
+from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Graph, Precision, StepIO
 from shared.drafting.base import Drafter
 from shared.messages import ChatMessage, OpenRequest
@@ -60,14 +62,16 @@ class TimedServerHalf:
 
 
 def split_decode(target, server, drafter, prompt: list[int], max_new: int, max_nodes: int,
-                 sampling: SamplingParams = SamplingParams()) -> RoundLog:
+                 sampling: SamplingParams = SamplingParams(),
+                 acceptance: AcceptanceMode | None = None) -> RoundLog:
     """Split decoding in process, through the server's own session and loop
     (cloud_server.server_decoding.decode_in_process); `server` (the server half) is None for
     a drafter that reads no activations. Times drafting and the server half apart."""
     from cloud_server.server_decoding import decode_in_process
 
     log = RoundLog()
-    request = OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new, sampling=sampling)
+    request = OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new, sampling=sampling,
+                          acceptance=acceptance)
     run = decode_in_process(target, request, drafter, max_nodes,
                             TimedServerHalf(server, log) if server else None)
     log.tokens = [t for v in run.verdicts for t in v.tokens]
@@ -121,26 +125,30 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
 TRAINING_FREE = ("pld", "aded")
 LOOKUP = "+lookup"
 GRAPHS = "+graphs"
+BLIND = "+blind"  # under exponential-race: draft by log q, not by the race's keys
+SUFFIXES = {LOOKUP[1:], GRAPHS[1:], BLIND[1:]}
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One trained drafter of --drafters: LABEL=DIR or a name, then +lookup and/or +graphs."""
+    """One trained drafter of --drafters: LABEL=DIR or a name, then any of +lookup, +graphs
+    and +blind."""
 
     name: str  # the label in the tables, with its suffixes
     directory: Path
     lookup: bool
     graphs: bool
+    blind: bool
 
     @classmethod
     def parse(cls, text: str, drafter: Path) -> "Entry":
         base, *suffixes = text.split("+")
         label, _, path = base.partition("=")
         directory = Path(path) if path else drafter if label == "moa" else drafter / label
-        if set(suffixes) - {LOOKUP[1:], GRAPHS[1:]}:
-            raise ValueError(f"{text}: the suffixes are {LOOKUP} and {GRAPHS}")
+        if set(suffixes) - SUFFIXES:
+            raise ValueError(f"{text}: the suffixes are {', '.join(sorted(SUFFIXES))}")
         return cls("+".join((label, *suffixes)), directory, LOOKUP[1:] in suffixes,
-                   GRAPHS[1:] in suffixes)
+                   GRAPHS[1:] in suffixes, BLIND[1:] in suffixes)
 
 
 def main() -> None:
@@ -155,6 +163,9 @@ def main() -> None:
                         "adds prompt-lookup nodes")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy acceptance; above: the default sampling rule, seeded")
+    p.add_argument("--acceptance", type=AcceptanceMode, choices=list(AcceptanceMode),
+                   metavar="|".join(m.value for m in AcceptanceMode),
+                   default=None, help="with --temperature: the rule (default: the session's)")
     p.add_argument("--per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64)
@@ -206,13 +217,11 @@ def contenders(args: argparse.Namespace, target) -> list[Contender]:
             built.append(Contender(entry, make_drafter(entry, depth_limit=args.max_depth), None))
             continue
         parsed = Entry.parse(entry, args.drafter)
-        built.append(moa_contender(args, target, parsed.name, parsed.directory,
-                                   args.lookup_nodes if parsed.lookup else 0, parsed.graphs))
+        built.append(moa_contender(args, target, parsed))
     return built
 
 
-def moa_contender(args: argparse.Namespace, target, name: str, directory: Path,
-                  lookup: int, graphs: bool = False) -> Contender:
+def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
     """A trained drafter (its bundle exported once and cached) with its server half; `args`
     gives precision, max_depth and activations."""
     from cloud_server.moa.activations import ServerActivations
@@ -225,18 +234,19 @@ def moa_contender(args: argparse.Namespace, target, name: str, directory: Path,
     from shared.cache import cache_root
 
     server = None
-    if MoaConfig.load(directory / CONFIG).uses_activations:
-        server = ServerActivations.load(directory, target.model)
+    if MoaConfig.load(entry.directory / CONFIG).uses_activations:
+        server = ServerActivations.load(entry.directory, target.model)
         if args.activations == "int8":
             server = Int8RoundTrip(server)
-    bundle = build_bundle(directory, target.model, target.model_id,
+    bundle = build_bundle(entry.directory, target.model, target.model_id,
                           cache_root() / "moa-bundles", target.tokenizer_json())
     manifest = load_manifest(bundle)
     size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
     kind = FalconDrafter if manifest.block > 1 else MoaDrafter
     drafter = kind(bundle, precision=args.precision, max_depth=args.max_depth,
-                   lookup_nodes=lookup, merge=graphs)
-    return Contender(name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls)
+                   lookup_nodes=args.lookup_nodes if entry.lookup else 0, merge=entry.graphs,
+                   race_aware=not entry.blind)
+    return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -254,7 +264,7 @@ def run(args: argparse.Namespace) -> None:
             sampling = SamplingParams(temperature=args.temperature, seed=index)
             for c in tested:
                 log = split_decode(target, c.server, c.drafter, prompt, args.max_new_tokens,
-                                   args.max_nodes, sampling)
+                                   args.max_nodes, sampling, args.acceptance)
                 same = greedy and compare(target, prompt, log.tokens[:args.max_new_tokens],
                                           plain).lossless
                 c.rounds.setdefault(name, []).extend(log.per_round)

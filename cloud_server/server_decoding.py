@@ -16,6 +16,7 @@ from shared.drafting.budget import ALONE, Load, TreeBudget
 from shared.drafting import DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName
 from shared.acceptance import AcceptanceMode
+from shared.drafting.race import Race
 from shared.draft_q import Proposal
 from shared.errors import InvalidRequest
 from shared.messages import ActivationFormat, Limits, OpenRequest, Verdict
@@ -56,6 +57,8 @@ class ServerDecoder:
         self.load = load
         if self._drafter is not None:
             self._drafter.reset(session.committed)
+            self._drafter.follow_race(Race.of(session.acceptance, session.seed,
+                                              session.sampling))
 
     def prefilling(self) -> Work[Verdict]:
         verdict = yield from self.session.prefilling()

@@ -20,6 +20,7 @@ from edge_client.following import DraftFollower, Lag, drafted_ahead
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.acceptance import AcceptanceMode
+from shared.drafting.race import Race
 from shared.draft_q import Proposal, point_masses
 from shared.messages import (
     Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace, Resume, Verdict,
@@ -190,6 +191,8 @@ class SplitGeneration:
             self.context = list(opened.prompt_ids)
             self.result.prompt_ids = list(opened.prompt_ids)
             self.drafter.reset(self.context)
+            self.drafter.follow_race(Race.of(opened.acceptance, opened.seed,
+                                             self.request.sampling))
             self.result.ttft_s = time.perf_counter() - start
         self._commit(verdict)
 

@@ -33,6 +33,7 @@ from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import BundleError, Graph, Memory, MemoryIO, Precision, StepIO
 from shared.drafting.base import DrafterName
+from shared.drafting.race import Race, RaceKeys
 from shared.draft_q import NodeQ, Proposal
 from shared.graph import DraftGraph, breadth_first
 from shared.tree import ROOT, DraftTree
@@ -84,7 +85,8 @@ class MoaDrafter:
 
     def __init__(self, bundle_dir: Path, precision: Precision = Precision.INT8, max_depth: int = 8,
                  beam: int = 8, branch: int = 8, threads: int = 1,
-                 lookup_nodes: int = LOOKUP_NODES, merge: bool = False) -> None:
+                 lookup_nodes: int = LOOKUP_NODES, merge: bool = False,
+                 race_aware: bool = True) -> None:
         import onnxruntime as ort
 
         manifest = load_manifest(bundle_dir)
@@ -105,6 +107,9 @@ class MoaDrafter:
         self.lookup_nodes = lookup_nodes
         self.merge = merge
         self.step_calls = 0  # step graph runs so far (benchmarks/moa_tau.py: steps per round)
+        self.race_aware = race_aware
+        self._race: RaceKeys | None = None
+        self._vocab = config["vocab_size"]
         self._lookup = PromptLookupDrafter()
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
@@ -128,6 +133,11 @@ class MoaDrafter:
         self._rows = np.zeros((0, self.width), dtype=np.float32)  # [verified, width]
         self._own = np.zeros((0, self.width), dtype=np.float32)  # [len(_context), width]
         self._exact = 0
+
+    def follow_race(self, race: Race | None) -> None:
+        """Under exponential-race (and `race_aware`), children are ranked by their key in the
+        session's race run on q (shared/drafting/race.py) instead of by log q."""
+        self._race = RaceKeys(race, self._vocab) if race and self.race_aware else None
 
     @property
     def verified(self) -> int:
@@ -204,9 +214,11 @@ class MoaDrafter:
         if max_nodes < 1 or not self._ready(context):
             return DraftTree((), ())
         top_logprobs, top_ids = self._sync(context)  # [top_k] each: the first level
+        if self._race is not None:
+            self._race.forget_before(len(context))
         nodes = _Candidates()
-        for logprob, token in zip(top_logprobs[:self.branch], top_ids[:self.branch]):
-            nodes.add(int(token), ROOT, float(logprob), 0)
+        for score, token in self._children(top_logprobs, top_ids, len(context)):
+            nodes.add(token, ROOT, score, 0)
         expand = self._expander(context)
         for depth in range(self.max_depth - 1):
             frontier = self._frontier(nodes, depth, max_nodes)
@@ -214,12 +226,22 @@ class MoaDrafter:
                 break
             top_logprobs, top_ids = expand(nodes, frontier)
             for row, node in enumerate(frontier):
-                for logprob, token in zip(top_logprobs[row, :self.branch],
-                                          top_ids[row, :self.branch]):
-                    nodes.add(int(token), node, nodes.scores[node] + float(logprob), depth + 1)
+                for score, token in self._children(top_logprobs[row], top_ids[row],
+                                                   len(context) + depth + 1):
+                    nodes.add(token, node, nodes.scores[node] + score, depth + 1)
             if self.merge:
                 nodes.merge(depth + 1)
         return _best_graph(nodes, max_nodes) if nodes.aliases else _best_tree(nodes, max_nodes)
+
+    def _children(self, logprobs: np.ndarray, ids: np.ndarray,
+                  position: int) -> list[tuple[float, int]]:
+        """A node's `branch` children (score, token) from its top-k: by log q, or under a race
+        by their race key behind the winner's at `position` (the children's position)."""
+        if self._race is None:
+            return [(float(s), int(t)) for s, t in zip(logprobs[:self.branch], ids[:self.branch])]
+        scores = self._race.behind_winner(logprobs, ids, position)
+        best = np.argsort(-scores)[:self.branch]
+        return [(float(scores[i]), int(ids[i])) for i in best]
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
+from shared.drafting.race import Race
 from shared.tree import DraftTree
 
 
@@ -41,6 +42,10 @@ class Drafter(Protocol):
     def reset(self, prompt: Sequence[int]) -> None:
         """Starts a new generation whose committed text is `prompt`."""
 
+    def follow_race(self, race: Race | None) -> None:
+        """Under acceptance exponential-race, the session's race (None otherwise): a drafter
+        that can names the race's likely winners first (race.py); the others ignore it."""
+
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
         """A tree of at most `max_nodes` nodes continuing `context` (the committed ids).
         May be empty when the drafter has nothing to offer."""
@@ -66,3 +71,6 @@ class TextDrafter:
 
     def add_activations(self, start: int, values: np.ndarray) -> None:
         raise ValueError(f"the {self.name} drafter reads no activations")
+
+    def follow_race(self, race: Race | None) -> None:
+        """Its trees come from the text alone: the same under every rule."""
