@@ -312,7 +312,9 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
                            "edge_steps": c.step_calls() / len(every) if c.step_calls else None,
                            "lossless": [c.lossless, c.runs]}
     depth_header = ("drafter", *(f"d={d}" for d in range(1, args.max_depth + 1)))
-    how = "greedy" if args.temperature == 0 else f"temperature {args.temperature}"
+    how = "greedy" if args.temperature == 0 else (
+        f"temperature {args.temperature}, acceptance "
+        f"{args.acceptance.value if args.acceptance else 'the default'}")
     text = (f"Drafters in process, {how}, tree <= {args.max_nodes} nodes, depth <= "
             f"{args.max_depth}, {args.max_new_tokens} new tokens, {args.per_set} prompts per "
             f"set; MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "
