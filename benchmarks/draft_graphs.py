@@ -91,7 +91,7 @@ def measure(args: argparse.Namespace) -> list[Tally]:
 
     target = TargetModel.load(*model_store.resolve("default"), "cpu")
     base = moa_contender(args, target, Entry("moa", args.drafter, lookup=True, graphs=False,
-                                             blind=False))
+                                             race=False))
     variants = {name: Recorder(MoaDrafter(base.bundle, precision=args.precision,
                                           max_depth=args.max_depth,
                                           lookup_nodes=args.lookup_nodes, merge=merge))

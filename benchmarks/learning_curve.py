@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> None:
         for student in students:
             where = directory if student == MAIN else directory / student
             contender = moa_contender(args, target, Entry(student, where, lookup=False,
-                                                          graphs=False, blind=False))
+                                                          graphs=False, race=False))
             rounds = []
             for prompt in prompts:
                 log = split_decode(target, contender.server, contender.drafter, prompt,

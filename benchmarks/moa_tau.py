@@ -12,8 +12,8 @@ Drafters (--drafters, comma-separated): pld, aded; moa (the --drafter directory)
 subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABEL=DIR for
 another trained drafter (a Falcon one, trained with --method falcon, drafts --block tokens per
 step: edge_client/drafters/falcon.py); any trained entry with +lookup merges prompt-lookup nodes
-into its trees, with +graphs merges repeated tokens into draft graphs (GSD), and with +blind
-drafts by log q under --acceptance exponential-race rather than by the race's keys (ERSD).
+into its trees, with +graphs merges repeated tokens into draft graphs (GSD), and with +race
+ranks children by the session's race under --acceptance exponential-race (ERSD).
 
     python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
@@ -125,20 +125,20 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
 TRAINING_FREE = ("pld", "aded")
 LOOKUP = "+lookup"
 GRAPHS = "+graphs"
-BLIND = "+blind"  # under exponential-race: draft by log q, not by the race's keys
-SUFFIXES = {LOOKUP[1:], GRAPHS[1:], BLIND[1:]}
+RACE = "+race"  # under exponential-race: rank children by the race's keys, not by log q
+SUFFIXES = {LOOKUP[1:], GRAPHS[1:], RACE[1:]}
 
 
 @dataclass(frozen=True)
 class Entry:
     """One trained drafter of --drafters: LABEL=DIR or a name, then any of +lookup, +graphs
-    and +blind."""
+    and +race."""
 
     name: str  # the label in the tables, with its suffixes
     directory: Path
     lookup: bool
     graphs: bool
-    blind: bool
+    race: bool
 
     @classmethod
     def parse(cls, text: str, drafter: Path) -> "Entry":
@@ -148,7 +148,7 @@ class Entry:
         if set(suffixes) - SUFFIXES:
             raise ValueError(f"{text}: the suffixes are {', '.join(sorted(SUFFIXES))}")
         return cls("+".join((label, *suffixes)), directory, LOOKUP[1:] in suffixes,
-                   GRAPHS[1:] in suffixes, BLIND[1:] in suffixes)
+                   GRAPHS[1:] in suffixes, RACE[1:] in suffixes)
 
 
 def main() -> None:
@@ -245,7 +245,7 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
     kind = FalconDrafter if manifest.block > 1 else MoaDrafter
     drafter = kind(bundle, precision=args.precision, max_depth=args.max_depth,
                    lookup_nodes=args.lookup_nodes if entry.lookup else 0, merge=entry.graphs,
-                   race_aware=not entry.blind)
+                   race_aware=entry.race)
     return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls)
 
 

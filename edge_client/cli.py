@@ -93,6 +93,10 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="moa: merge a token drafted twice at one depth into one node and send "
                         "each repeated subtree once (GSD draft graphs); off by default, as "
                         "measured it does not pay (README)")
+    p.add_argument("--race-aware", action="store_true",
+                   help="moa, falcon under --acceptance exponential-race: rank each node's "
+                        "children by the session's race run on the drafter's q (ERSD); off by "
+                        "default, as measured it lowers tau (README)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tls", action="store_true",
@@ -264,7 +268,7 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
     return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens, sampling, acceptance,
                          tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
                          Mode(args.mode), Pace(args.pace), args.lead or 0, args.draft_ahead,
-                         args.draft_graphs)
+                         args.draft_graphs, args.race_aware)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,6 +46,9 @@ class ClientOptions:
     # MoA: draft graphs (GSD), a token repeated at one depth drafted once and its subtree sent
     # once. Off by default: measured, it did not pay (README, "Draft graphs").
     draft_graphs: bool = False
+    # MoA, Falcon under exponential-race: rank children by the session's race run on q (ERSD).
+    # Off by default: measured, it lowered tau (README, "Race-aware drafting").
+    race_aware: bool = False
 
     def __post_init__(self) -> None:
         # The library's boundary: a caller may name the drafter as text ("pld").
@@ -98,7 +101,7 @@ class EdgeClient:
         drafter = resolve_drafter(self.options.drafter, self.info)
         self.options = replace(self.options, drafter=drafter)
         self._drafters = await drafter_pool(drafter, self.link, self.info,
-                                            self.options.draft_graphs)
+                                            self.options.draft_graphs, self.options.race_aware)
         return self
 
     async def __aexit__(self, *exc) -> None:

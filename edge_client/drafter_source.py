@@ -80,14 +80,16 @@ class DrafterPool:
 
 
 async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo,
-                       draft_graphs: bool = False) -> DrafterPool:
-    """`draft_graphs`: a trained drafter merges repeated tokens into draft graphs (GSD)."""
+                       draft_graphs: bool = False, race_aware: bool = False) -> DrafterPool:
+    """`draft_graphs`: a trained drafter merges repeated tokens into draft graphs (GSD);
+    `race_aware`: under exponential-race it ranks children by the session's race (ERSD)."""
     if name not in TRAINED:
         return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth),
                            shared=False)
     bundle_dir = await _trained_bundle(name, link, info)
     kind = TRAINED[name][1]
-    return DrafterPool(lambda: kind(bundle_dir, merge=draft_graphs), shared=True)
+    return DrafterPool(lambda: kind(bundle_dir, merge=draft_graphs, race_aware=race_aware),
+                       shared=True)
 
 
 async def _trained_bundle(name: DrafterName, link: ServerLink, info: ServerInfo) -> Path:

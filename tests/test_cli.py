@@ -211,8 +211,10 @@ def test_long_prompt_with_moa_activations_over_3g(tmp_path):
     assert answers[0].stdout == answers[1].stdout
 
 
-def test_draft_graphs_flag_reaches_the_client_options():
+@pytest.mark.parametrize("flag, option", [("--draft-graphs", "draft_graphs"),
+                                          ("--race-aware", "race_aware")])
+def test_opt_in_drafting_flags_reach_the_client_options(flag, option):
     from edge_client.cli import options_from, parse_args
 
-    assert options_from(parse_args(["--server", "x:1", "--draft-graphs", "hi"])).draft_graphs
-    assert not options_from(parse_args(["--server", "x:1", "hi"])).draft_graphs
+    assert getattr(options_from(parse_args(["--server", "x:1", flag, "hi"])), option)
+    assert not getattr(options_from(parse_args(["--server", "x:1", "hi"])), option)

@@ -40,7 +40,8 @@ def test_a_race_only_under_its_rule():
 def test_the_tree_follows_the_race_winners(tiny_target, tiny_bundle):
     """The best node of a race-aware tree is the race winner on q at the first position, and
     the chain of winners has score 0 all the way down, so it is drafted to the full depth."""
-    drafter = MoaDrafter(tiny_bundle, precision=Precision.INT8, max_depth=4, lookup_nodes=0)
+    drafter = MoaDrafter(tiny_bundle, precision=Precision.INT8, max_depth=4, lookup_nodes=0,
+                         race_aware=True)
     drafter.reset(PROMPT)
     context = list(PROMPT) + [30]
     drafter.add_activations(0, np.zeros((len(PROMPT), drafter.width), dtype=np.float32))

@@ -86,7 +86,7 @@ class MoaDrafter:
     def __init__(self, bundle_dir: Path, precision: Precision = Precision.INT8, max_depth: int = 8,
                  beam: int = 8, branch: int = 8, threads: int = 1,
                  lookup_nodes: int = LOOKUP_NODES, merge: bool = False,
-                 race_aware: bool = True) -> None:
+                 race_aware: bool = False) -> None:
         import onnxruntime as ort
 
         manifest = load_manifest(bundle_dir)
@@ -135,8 +135,9 @@ class MoaDrafter:
         self._exact = 0
 
     def follow_race(self, race: Race | None) -> None:
-        """Under exponential-race (and `race_aware`), children are ranked by their key in the
-        session's race run on q (shared/drafting/race.py) instead of by log q."""
+        """Under exponential-race, with `race_aware`, children are ranked by their key in the
+        session's race run on q (shared/drafting/race.py) instead of by log q. Off by default:
+        measured with the committed drafter it lowered tau (README, "Race-aware drafting")."""
         self._race = RaceKeys(race, self._vocab) if race and self.race_aware else None
 
     @property
