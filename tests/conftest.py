@@ -44,25 +44,32 @@ def isolated_server(tiny_target):
         yield server
 
 
+def train_tiny(target, out: Path, steps: int, **settings) -> Path:
+    """A drafter trained briefly on the tiny target's own answers to 8 prompts (sub-vocabulary
+    head); `settings` are TrainSettings fields."""
+    from cloud_server.training.data import Sample, answer_batch
+    from cloud_server.training.moa import Trainer, TrainSettings
+
+    prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
+    answers = answer_batch(target, prompts, max_new_tokens=32)
+    samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
+    Trainer(target.model, samples, TrainSettings(steps=steps, batch_tokens=256, lr=3e-3,
+                                                 warmup=5, draft_vocab=200,
+                                                 checkpoint_every=1000, **settings),
+            out, stop_ids=(2,)).run()
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head),
     with the same network reading hidden states in `last/` and `fused/` and the Independent
     baseline in `independent/` beside it."""
     from cloud_server.moa.config import ServerInput
-    from cloud_server.training.data import Sample, answer_batch
-    from cloud_server.training.moa import Trainer, TrainSettings
 
-    prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
-    answers = answer_batch(tiny_target, prompts, max_new_tokens=32)
-    samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
-    out = tmp_path_factory.mktemp("tiny-moa")
-    settings = TrainSettings(steps=80, batch_tokens=256, lr=3e-3, warmup=5, draft_vocab=200,
-                             checkpoint_every=1000, independent=True,
-                             server_inputs=(ServerInput.LAYER_KV, ServerInput.LAST_HIDDEN,
-                                            ServerInput.FUSED_HIDDEN))
-    Trainer(tiny_target.model, samples, settings, out, stop_ids=(2,)).run()
-    return out
+    return train_tiny(tiny_target, tmp_path_factory.mktemp("tiny-moa"), 80, independent=True,
+                      server_inputs=(ServerInput.LAYER_KV, ServerInput.LAST_HIDDEN,
+                                     ServerInput.FUSED_HIDDEN))
 
 
 @pytest.fixture(scope="session")
@@ -87,54 +94,34 @@ def tiny_independent_bundle(tiny_target, tiny_drafter_dir: Path,
 def tiny_recurrent_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A recurrent MoA drafter (input 'last', trained as it drafts over 3 passes), briefly."""
     from cloud_server.moa.config import ServerInput
-    from cloud_server.training.data import Sample, answer_batch
-    from cloud_server.training.moa import Trainer, TrainSettings
 
-    prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
-    answers = answer_batch(tiny_target, prompts, max_new_tokens=32)
-    samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
-    out = tmp_path_factory.mktemp("tiny-recurrent")
-    settings = TrainSettings(steps=60, batch_tokens=256, lr=3e-3, warmup=5, draft_vocab=200,
-                             checkpoint_every=1000, server_inputs=(ServerInput.LAST_HIDDEN,),
-                             recurrent=True, unroll=3)
-    Trainer(tiny_target.model, samples, settings, out, stop_ids=(2,)).run()
-    return out
+    return train_tiny(tiny_target, tmp_path_factory.mktemp("tiny-recurrent"), 60,
+                      server_inputs=(ServerInput.LAST_HIDDEN,), recurrent=True, unroll=3)
+
+
+def fp32_bundle(target, drafter_dir: Path, out: Path) -> Path:
+    from cloud_server.moa.bundle import build_bundle
+
+    return build_bundle(drafter_dir, target.model, "tiny-llama", out, target.tokenizer_json(),
+                        precisions=(Precision.FP32,))
 
 
 @pytest.fixture(scope="session")
 def tiny_recurrent_bundle(tiny_target, tiny_recurrent_dir: Path,
                           tmp_path_factory: pytest.TempPathFactory):
-    from cloud_server.moa.bundle import build_bundle
-
-    return build_bundle(tiny_recurrent_dir, tiny_target.model, "tiny-llama",
-                        tmp_path_factory.mktemp("recurrent"), tiny_target.tokenizer_json(),
-                        precisions=(Precision.FP32,))
+    return fp32_bundle(tiny_target, tiny_recurrent_dir, tmp_path_factory.mktemp("recurrent"))
 
 
 @pytest.fixture(scope="session")
 def tiny_falcon_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Falcon drafter (input 'last', 2 tokens a step, with glancing), trained briefly."""
     from cloud_server.moa.config import ServerInput
-    from cloud_server.training.data import Sample, answer_batch
-    from cloud_server.training.moa import Trainer, TrainSettings
 
-    prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
-    answers = answer_batch(tiny_target, prompts, max_new_tokens=32)
-    samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
-    out = tmp_path_factory.mktemp("tiny-falcon")
-    settings = TrainSettings(steps=60, batch_tokens=256, lr=3e-3, warmup=5, draft_vocab=200,
-                             checkpoint_every=1000, server_inputs=(ServerInput.LAST_HIDDEN,),
-                             block=2)
-    Trainer(tiny_target.model, samples, settings, out, stop_ids=(2,)).run()
-    return out
+    return train_tiny(tiny_target, tmp_path_factory.mktemp("tiny-falcon"), 60,
+                      server_inputs=(ServerInput.LAST_HIDDEN,), block=2)
 
 
 @pytest.fixture(scope="session")
 def tiny_falcon_bundle(tiny_target, tiny_falcon_dir: Path,
                        tmp_path_factory: pytest.TempPathFactory):
-    from cloud_server.moa.bundle import build_bundle
-
-    return build_bundle(tiny_falcon_dir, tiny_target.model, "tiny-llama",
-                        tmp_path_factory.mktemp("falcon"), tiny_target.tokenizer_json(),
-                        precisions=(Precision.FP32,))
-
+    return fp32_bundle(tiny_target, tiny_falcon_dir, tmp_path_factory.mktemp("falcon"))
