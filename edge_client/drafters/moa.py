@@ -17,7 +17,11 @@ tree, breadth first, repeats the subtree under each; the wire sends it once. Wit
 `lookup_nodes`, a prompt-lookup tree (pld.py) of up to that many nodes, a quarter of the budget
 at most, is merged in when the text repeats itself: copying is what a small drafter predicts
 worst and n-gram lookup best (REST, He et al., arXiv 2311.08252, makes the same case for
-retrieval). Knows nothing of the link or the wire; numpy and onnxruntime only.
+retrieval). With `race_aware`, under exponential-race, a node's children are ranked by the
+session's race run on q (shared/drafting/race.py; opt-in, measured worse). A bundle trained
+with `block` > 1 is Falcon's and drafts with FalconDrafter (falcon.py), which reuses all of this
+but how a node's children are scored. Knows nothing of the link or the wire; numpy and
+onnxruntime only.
 """
 from __future__ import annotations
 
