@@ -35,6 +35,7 @@ from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Graph, Precision, StepIO
 from shared.drafting.base import Drafter
+from shared.drafting.race import RaceRanker
 from shared.messages import ChatMessage, OpenRequest
 from shared.sampling import SamplingParams
 
@@ -125,7 +126,7 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
 TRAINING_FREE = ("pld", "aded")
 LOOKUP = "+lookup"
 GRAPHS = "+graphs"
-RACE = "+race"  # under exponential-race: rank children by the race's keys, not by log q
+RACE = "+race"  # under exponential-race: rank children by the fitted race ranker
 SUFFIXES = {LOOKUP[1:], GRAPHS[1:], RACE[1:]}
 
 
@@ -200,6 +201,7 @@ class Contender:
     bundle: Path | None = None
     bundle_mb: float = 0.0  # the graphs the edge runs (--precision)
     step_calls: Callable[[], int] | None = None  # a trained drafter's step graph runs so far
+    ranker: Callable[[], RaceRanker | None] | None = None  # a +race drafter's fit so far
     rounds: dict[str, list[int]] = field(default_factory=dict)  # set -> committed per round
     draft_s: float = 0.0
     server_s: float = 0.0
@@ -246,7 +248,8 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
     drafter = kind(bundle, precision=args.precision, max_depth=args.max_depth,
                    lookup_nodes=args.lookup_nodes if entry.lookup else 0, merge=entry.graphs,
                    race_aware=entry.race)
-    return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls)
+    return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls,
+                     (lambda: drafter.ranker) if entry.race else None)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -286,6 +289,18 @@ def _accepted_by_depth(rounds: list[int], depth: int) -> list[float]:
     return [sum(n - 1 >= d for n in rounds) / len(rounds) for d in range(1, depth + 1)]
 
 
+def _race_fits(tested: list[Contender]) -> str:
+    """A line per race-aware drafter: the weights its ranker ended with (race.py)."""
+    lines = []
+    for c in tested:
+        ranker = c.ranker() if c.ranker else None
+        if ranker is not None:
+            a, b = ranker.weights
+            lines.append(f"{c.name}: P(race picks x) = softmax({a:.2f} log q + {b:.2f} G), fitted "
+                         f"on {ranker.fitted} committed positions\n\n")
+    return "".join(lines)
+
+
 def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
     plain_ms = plain_step_ms(target)
     header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round", "edge steps/round",
@@ -321,8 +336,8 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
             f"activations); moa+lookup merges up to {args.lookup_nodes} prompt-lookup nodes; "
             f"{machine()}\n\ntau (tokens per round, bonus included):\n\n"
             f"{markdown_table(header, rows)}\n\nP(at least d drafts accepted in a round):\n\n"
-            f"{markdown_table(depth_header, depth_rows)}\n\nplain target decode step "
-            f"{plain_ms:.1f} ms\n")
+            f"{markdown_table(depth_header, depth_rows)}\n\n{_race_fits(tested)}plain target "
+            f"decode step {plain_ms:.1f} ms\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)

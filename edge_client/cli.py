@@ -95,8 +95,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "measured it does not pay (README)")
     p.add_argument("--race-aware", action="store_true",
                    help="moa, falcon under --acceptance exponential-race: rank each node's "
-                        "children by the session's race run on the drafter's q (ERSD); off by "
-                        "default, as measured it lowers tau (README)")
+                        "children by how likely the session's race picks each, from log q and "
+                        "the race's noise as fitted on the committed text (ERSD); off by "
+                        "default, as it costs drafting time for little tau (README)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tls", action="store_true",

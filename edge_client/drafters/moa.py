@@ -17,8 +17,9 @@ tree, breadth first, repeats the subtree under each; the wire sends it once. Wit
 `lookup_nodes`, a prompt-lookup tree (pld.py) of up to that many nodes, a quarter of the budget
 at most, is merged in when the text repeats itself: copying is what a small drafter predicts
 worst and n-gram lookup best (REST, He et al., arXiv 2311.08252, makes the same case for
-retrieval). With `race_aware`, under exponential-race, a node's children are ranked by the
-session's race run on q (shared/drafting/race.py; opt-in, measured worse). A bundle trained
+retrieval). With `race_aware`, under exponential-race, a node's children are ranked by how
+likely the session's race picks each, from log q and the race's noise, weighed as the session's
+committed text says (shared/drafting/race.py). A bundle trained
 with `block` > 1 is Falcon's and drafts with FalconDrafter (falcon.py), which reuses all of this
 but how a node's children are scored. Knows nothing of the link or the wire; numpy and
 onnxruntime only.
@@ -37,7 +38,7 @@ from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import BundleError, Graph, Memory, MemoryIO, Precision, StepIO
 from shared.drafting.base import DrafterName
-from shared.drafting.race import Race, RaceKeys
+from shared.drafting.race import Race, RaceRanker
 from shared.draft_q import NodeQ, Proposal
 from shared.graph import DraftGraph, breadth_first
 from shared.tree import ROOT, DraftTree
@@ -73,6 +74,11 @@ class _Candidates:
             joined = best.setdefault(self.tokens[node], node)
             if joined != node:
                 self.aliases[node] = joined
+
+    def path(self, node: int) -> tuple[int, ...]:
+        """The tokens from the root to `node`, both ends included."""
+        return tuple(self.tokens[a] for a in reversed(self.ancestors(node))) + (
+            self.tokens[node],)
 
     def ancestors(self, node: int) -> list[int]:
         chain = []
@@ -112,7 +118,8 @@ class MoaDrafter:
         self.merge = merge
         self.step_calls = 0  # step graph runs so far (benchmarks/moa_tau.py: steps per round)
         self.race_aware = race_aware
-        self._race: RaceKeys | None = None
+        self._race: RaceRanker | None = None  # this session's, under exponential-race
+        self.ranker: RaceRanker | None = None  # the last one: its fit carries over
         self._vocab = config["vocab_size"]
         self._lookup = PromptLookupDrafter()
         options = ort.SessionOptions()
@@ -139,10 +146,14 @@ class MoaDrafter:
         self._exact = 0
 
     def follow_race(self, race: Race | None) -> None:
-        """Under exponential-race, with `race_aware`, children are ranked by their key in the
-        session's race run on q (shared/drafting/race.py) instead of by log q. Off by default:
-        measured with the committed drafter it lowered tau (README, "Race-aware drafting")."""
-        self._race = RaceKeys(race, self._vocab) if race and self.race_aware else None
+        """Under exponential-race, with `race_aware`, children are ranked by how likely the
+        session's race picks them (shared/drafting/race.py) instead of by log q; what the
+        ranker learnt in the last session carries over at the same temperature."""
+        self._race = None
+        if race is not None and self.race_aware:
+            self.ranker = (self.ranker.follow(race) if self.ranker is not None
+                            else RaceRanker(race, self._vocab))
+            self._race = self.ranker
 
     @property
     def verified(self) -> int:
@@ -220,9 +231,9 @@ class MoaDrafter:
             return DraftTree((), ())
         top_logprobs, top_ids = self._sync(context)  # [top_k] each: the first level
         if self._race is not None:
-            self._race.forget_before(len(context))
+            self._race.start(context)
         nodes = _Candidates()
-        for score, token in self._children(top_logprobs, top_ids, len(context)):
+        for score, token in self._children(top_logprobs, top_ids, nodes, ROOT):
             nodes.add(token, ROOT, score, 0)
         expand = self._expander(context)
         for depth in range(self.max_depth - 1):
@@ -231,20 +242,21 @@ class MoaDrafter:
                 break
             top_logprobs, top_ids = expand(nodes, frontier)
             for row, node in enumerate(frontier):
-                for score, token in self._children(top_logprobs[row], top_ids[row],
-                                                   len(context) + depth + 1):
+                for score, token in self._children(top_logprobs[row], top_ids[row], nodes,
+                                                   node):
                     nodes.add(token, node, nodes.scores[node] + score, depth + 1)
             if self.merge:
                 nodes.merge(depth + 1)
         return _best_graph(nodes, max_nodes) if nodes.aliases else _best_tree(nodes, max_nodes)
 
-    def _children(self, logprobs: np.ndarray, ids: np.ndarray,
-                  position: int) -> list[tuple[float, int]]:
-        """A node's `branch` children (score, token) from its top-k: by log q, or under a race
-        by their race key behind the winner's at `position` (the children's position)."""
+    def _children(self, logprobs: np.ndarray, ids: np.ndarray, nodes: _Candidates,
+                  parent: int) -> list[tuple[float, int]]:
+        """The `branch` children (score, token) of `parent` (ROOT: the round's context) from
+        its top-k: by log q, or under a race by log P(the race picks it)."""
         if self._race is None:
             return [(float(s), int(t)) for s, t in zip(logprobs[:self.branch], ids[:self.branch])]
-        scores = self._race.behind_winner(logprobs, ids, position)
+        path = () if parent == ROOT else nodes.path(parent)
+        scores = self._race.scores(logprobs, ids, path)
         best = np.argsort(-scores)[:self.branch]
         return [(float(scores[i]), int(ids[i])) for i in best]
 
