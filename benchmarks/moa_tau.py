@@ -90,9 +90,18 @@ def plain_step_ms(target, repeat: int = 9) -> float:
     for _ in range(repeat):
         start = time.perf_counter()
         target.forward_tree(cache, 42, DraftTree((), ()))
+        target.synchronize()  # on a GPU the clock must not stop at the kernels' launch
         samples.append(1000 * (time.perf_counter() - start))
         cache.crop(-1)
     return statistics.median(samples)
+
+
+def target_device(target) -> str:
+    import torch
+
+    if target.device.type != "cuda":
+        return str(target.device)
+    return f"{target.device} ({torch.cuda.get_device_name(target.device)})"
 
 
 def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int = 300,
@@ -177,6 +186,10 @@ def main() -> None:
                    help="the edge graphs' weights")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
                    help="the activations' wire encoding, applied as a round trip")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the target runs (the edge drafter always runs on the CPU)")
+    p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="the target's precision")
     p.add_argument("--name", default="moa_tau", help="results file stem")
     args = p.parse_args()
     for entry in args.drafters.split(","):
@@ -257,7 +270,8 @@ def run(args: argparse.Namespace) -> None:
     from cloud_server.reference import compare, plain_greedy
     from cloud_server.target import TargetModel
 
-    target = TargetModel.load(*model_store.resolve("default"), "cpu")
+    target = TargetModel.load(*model_store.resolve("default"), args.device,
+                              precision=args.dtype)
     tested = contenders(args, target)
     greedy = args.temperature == 0
     for name in evaluation.SETS:
@@ -334,7 +348,8 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
             f"{args.max_depth}, {args.max_new_tokens} new tokens, {args.per_set} prompts per "
             f"set; MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "
             f"activations); moa+lookup merges up to {args.lookup_nodes} prompt-lookup nodes; "
-            f"{machine()}\n\ntau (tokens per round, bonus included):\n\n"
+            f"target on {target_device(target)} in {args.dtype}; {machine()}\n\n"
+            f"tau (tokens per round, bonus included):\n\n"
             f"{markdown_table(header, rows)}\n\nP(at least d drafts accepted in a round):\n\n"
             f"{markdown_table(depth_header, depth_rows)}\n\n{_race_fits(tested)}plain target "
             f"decode step {plain_ms:.1f} ms\n")

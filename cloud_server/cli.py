@@ -29,8 +29,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, embedded), a hub id or a local path")
     p.add_argument("--device", choices=[d.value for d in Device], default=Device.AUTO.value)
-    p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.AUTO.value,
-                   help="the target's precision; auto: fp32 on the CPU, bf16 on a GPU")
+    p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.FP32.value,
+                   help="the target's precision (default fp32: greedy output equal to plain "
+                        "decoding token for token; in bf16 near-ties can break the other way "
+                        "between a tree forward and a decode step, README); auto: fp32 on the "
+                        "CPU, bf16 on a GPU")
     p.add_argument("--cpu-linear", choices=("onednn", "stock"), default="onednn",
                    help="CPU linear kernels: oneDNN (about 2x faster here) or PyTorch's default")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
