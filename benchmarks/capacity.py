@@ -28,7 +28,8 @@ from typing import Iterator
 
 import numpy as np
 
-from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
+                               markdown_table, parse_cores, pinned, placement)
 from benchmarks.reliability import log, prompt_items, server_metrics
 from tests.cli_harness import free_port
 
@@ -48,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-client", type=int, default=2, help="generations each client runs, "
                    "one after another")
     p.add_argument("--name", default="capacity")
+    add_placement_args(p)
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as one client process
     return p.parse_args(argv)
 
@@ -100,9 +102,11 @@ class Cell:
 
 
 @contextlib.contextmanager
-def server(kind: str, metrics_port: int, sessions: int) -> Iterator[str]:
+def server(kind: str, metrics_port: int, sessions: int,
+           cores: frozenset[int] | None) -> Iterator[str]:
     with cloud_server("--quiet", "--device", "cpu", "--metrics-port", str(metrics_port),
-                      "--max-sessions", str(max(sessions, 4)), *SERVERS[kind]) as address:
+                      "--max-sessions", str(max(sessions, 4)), *SERVERS[kind],
+                      cores=cores) as address:
         yield address
 
 
@@ -115,7 +119,8 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
         [sys.executable, "-m", "benchmarks.capacity", "--client", json.dumps({
             "address": address, "method": method, "prompts": mine,
             "max_new_tokens": args.max_new_tokens, "start_at": start_at})],
-        stdout=subprocess.PIPE, text=True) for mine in prompts]
+        stdout=subprocess.PIPE, text=True, **pinned(parse_cores(args.client_cores)))
+        for mine in prompts]
     answers = []
     for proc in procs:
         out, _ = proc.communicate(timeout=3600)
@@ -148,7 +153,7 @@ def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
     cells, answers_of, differ = [], {}, 0
     for kind in SERVERS:
         port = free_port()
-        with server(kind, port, max(counts)) as address:
+        with server(kind, port, max(counts), parse_cores(args.server_cores)) as address:
             for n in counts:
                 for method in methods:
                     prompts = [pool[i * args.per_client:(i + 1) * args.per_client]
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     cells, differ = run(args)
     report = RESULTS / f"{args.name}.md"
     report.write_text(
-        f"# {__doc__.splitlines()[0]}\n\n{machine()}; server and clients on this one machine. "
+        f"# {__doc__.splitlines()[0]}\n\n{machine()}; {placement(args)}. "
         f"split:DRAFTER is split decoding with that edge drafter; {args.per_client} "
         f"generations of up to {args.max_new_tokens} tokens per client, greedy, over "
         f"loopback.\n\n"

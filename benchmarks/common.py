@@ -1,6 +1,7 @@
 """What every benchmark shares: the machine description, a running cloud-server, table output."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import platform
 import signal
@@ -26,11 +27,45 @@ def machine() -> str:
             f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 
+def pinned(cores: frozenset[int] | None) -> dict:
+    """Popen arguments that run a process on `cores` only (None: anywhere), with as many
+    compute threads as cores, so processes on separate cores do not slow each other: how a
+    benchmark on one machine stands in for a server and laptops on separate ones."""
+    if cores is None:
+        return {}
+    import os
+
+    return {"preexec_fn": lambda: os.sched_setaffinity(0, cores),
+            "env": {**os.environ, "OMP_NUM_THREADS": str(len(cores))}}
+
+
+def parse_cores(text: str | None) -> frozenset[int] | None:
+    """'0,1' -> {0, 1}; None or '' -> None."""
+    return frozenset(int(c) for c in text.split(",")) if text else None
+
+
+def add_placement_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--server-cores", help="run the server on these cores only (e.g. 0), with "
+                   "one compute thread per core; default: anywhere")
+    p.add_argument("--client-cores", help="run the edge clients on these cores only (e.g. 1): "
+                   "laptops that do not take the server's cores; default: anywhere")
+
+
+def placement(args: argparse.Namespace) -> str:
+    """Where the processes ran, for a report's header."""
+    parts = [f"the {who} on cores {cores} only" for who, cores in
+             (("server", args.server_cores), ("clients", args.client_cores)) if cores]
+    if not parts:
+        return "server and clients sharing all cores"
+    return f"{', '.join(parts)} (one compute thread per core)"
+
+
 @contextlib.contextmanager
-def cloud_server(*args: str) -> Iterator[str]:
-    """A `cloud-server --port 0` process for the duration; yields HOST:PORT."""
+def cloud_server(*args: str, cores: frozenset[int] | None = None) -> Iterator[str]:
+    """A `cloud-server --port 0` process for the duration, on `cores` (None: any); yields
+    HOST:PORT."""
     proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", "0", *args],
-                            stdout=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, text=True, **pinned(cores))
     try:
         line = proc.stdout.readline().strip()
         if not line.startswith("listening on "):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from shared import prompt_sets as prompts
-from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
+                               markdown_table, parse_cores, placement)
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import GenerationResult, SilentListener
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
@@ -54,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--outage-profile", default="4g")
     p.add_argument("--outage-s", type=float, default=3.0)
     p.add_argument("--name", default="latency", help="output file stem")
+    add_placement_args(p)
     args = p.parse_args()
     args.methods = args.methods.split(",")
     if unknown := set(args.methods) - {"plain-api", "server-spec", *SPLIT_PACES}:
@@ -254,7 +257,10 @@ def main() -> None:
     args = parse_args()
     log(machine())
     items = [row for name in prompts.SETS for row in prompts.load(name, args.per_set)]
-    with cloud_server("--device", "cpu", "--drafter-dir", args.drafter_dir) as address:
+    with cloud_server("--device", "cpu", "--drafter-dir", args.drafter_dir,
+                      cores=parse_cores(args.server_cores)) as address:
+        if client_cores := parse_cores(args.client_cores):
+            os.sched_setaffinity(0, client_cores)  # this process: the clients and the links
         records = []
         for profile in args.profiles.split(","):
             records += asyncio.run(run_profile(address, profile, items, args))
@@ -263,7 +269,7 @@ def main() -> None:
     rows = summarize(records)
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
               f"new tokens max, split drafter {args.drafter}, server-spec drafter "
-              f"{SERVER_DRAFTER}; {machine()}\n\n")
+              f"{SERVER_DRAFTER}; {machine()}; {placement(args)}\n\n")
     text = (header + render(rows) + "\n\n" + render_outages(outages, args.outage_profile) + "\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
