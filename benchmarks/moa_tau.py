@@ -8,7 +8,8 @@ per round, bonus included), acceptance by depth, drafting time per round, the ed
 step call against a plain target decode step, the bundle's size, and (greedy) whether the
 output equals plain greedy.
 
-Drafters (--drafters, comma-separated): pld, aded; moa (the --drafter directory); any
+Drafters (--drafters, comma-separated): pld, aded, recycle (Token Recycling, which only the
+server can run: it drafts from the target's own top-k); moa (the --drafter directory); any
 subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABEL=DIR for
 another trained drafter (a Falcon one, trained with --method falcon, drafts --block tokens per
 step: edge_client/drafters/falcon.py); any trained entry with +lookup merges prompt-lookup nodes
@@ -132,7 +133,7 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
     return statistics.median(samples)
 
 
-TRAINING_FREE = ("pld", "aded")
+TRAINING_FREE = ("pld", "aded", "recycle")  # recycle: Token Recycling, the server's own
 LOOKUP = "+lookup"
 GRAPHS = "+graphs"
 RACE = "+race"  # under exponential-race: rank children by the fitted race ranker
@@ -224,12 +225,14 @@ class Contender:
 
 def contenders(args: argparse.Namespace, target) -> list[Contender]:
     """Builds each drafter asked for; the MoA bundles are exported once and cached."""
-    from shared.drafting import make_drafter
+    from cloud_server.server_decoding import own_drafter
+    from shared.messages import Limits
 
     built = []
     for entry in args.drafters.split(","):
         if entry in TRAINING_FREE:
-            built.append(Contender(entry, make_drafter(entry, depth_limit=args.max_depth), None))
+            drafter = own_drafter(entry, Limits(max_tree_depth=args.max_depth))
+            built.append(Contender(entry, drafter, None))
             continue
         parsed = Entry.parse(entry, args.drafter)
         built.append(moa_contender(args, target, parsed))

@@ -11,9 +11,9 @@ import sys
 
 from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.pacing import PacingPolicy
+from shared.drafting import SERVER_DRAFTERS
 from cloud_server.device import Device, Precision
 from shared import progress
-from shared.drafting import DRAFTERS
 from shared.drafting.base import DrafterName
 from shared.messages import Limits, Pace
 
@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "acknowledged when it names no lead (default %(default)s)")
     p.add_argument("--max-lead", type=int, default=pacing.max_lead, metavar="N",
                    help="the most lead a client may ask for (default %(default)s)")
-    p.add_argument("--own-drafter", choices=(*sorted(DRAFTERS), "none"), default=pacing.drafter,
+    p.add_argument("--own-drafter", choices=(*SERVER_DRAFTERS, "none"), default=pacing.drafter,
                    help="the drafter the server runs for its own candidates in paced "
                         "sessions (default %(default)s)")
     p.add_argument("--tls-cert", metavar="PEM", help="serve TLS only, with this certificate "

@@ -10,10 +10,11 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from cloud_server.recycling import RecyclingDrafter
 from cloud_server.session import ActivationSource, Session
 from cloud_server.target import TargetModel, Work
 from shared.drafting.budget import ALONE, Load, TreeBudget
-from shared.drafting import DRAFTERS, make_drafter
+from shared.drafting import SERVER_DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName
 from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
@@ -31,9 +32,12 @@ def own_drafter(name: str | None, limits: Limits) -> Drafter | None:
     none); any other name is refused."""
     if name is None:
         return None
-    if name not in DRAFTERS:
+    if name not in SERVER_DRAFTERS:
         raise InvalidRequest(f"unknown drafter {name!r}; the server runs: "
-                             f"{', '.join(sorted(DRAFTERS))}")
+                             f"{', '.join(SERVER_DRAFTERS)}")
+    if name == DrafterName.RECYCLE:
+        return RecyclingDrafter(max_depth=min(RecyclingDrafter().max_depth,
+                                              limits.max_tree_depth))
     return make_drafter(DrafterName(name), limits.max_tree_depth)
 
 
@@ -55,6 +59,8 @@ class ServerDecoder:
         self._budget = TreeBudget(verify_costs, limits.max_tree_nodes, fixed=tree_nodes or None)
         self.draft_s = 0.0  # time spent proposing
         self.load = load
+        if isinstance(drafter, RecyclingDrafter):
+            session.watch_successors(drafter.top_k, drafter.recycle)
         if self._drafter is not None:
             self._drafter.reset(session.committed)
             self._drafter.follow_race(Race.of(session.acceptance, session.seed,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,8 @@ from shared.sampling import RngStream, round_rng, warp
 from shared.tree import DraftTree
 
 DEFAULT_SAMPLING_MODE = AcceptanceMode.TOPK_DRAFTS
+# A forward's input tokens and the target's top-k next tokens at each: [inputs, k]
+SuccessorsHook = Callable[[Sequence[int], np.ndarray], None]
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
@@ -72,6 +74,18 @@ class Session:
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache: DynamicCache | None = None
+        self._successors: tuple[int, SuccessorsHook] | None = None
+
+    def watch_successors(self, k: int, hook: SuccessorsHook) -> None:
+        """After every forward, hands `hook` the forward's input tokens and the target's top-k
+        next tokens at each, [inputs, k] best first (Token Recycling, cloud_server/recycling.py)."""
+        self._successors = (k, hook)
+
+    def _recycle(self, inputs: Sequence[int], logits: torch.Tensor) -> None:
+        """logits: [len(inputs), vocab]."""
+        if self._successors is not None:
+            k, hook = self._successors
+            hook(inputs, logits.topk(k, dim=-1).indices.cpu().numpy())
 
     @property
     def _kv(self) -> DynamicCache:
@@ -179,6 +193,7 @@ class Session:
         logits, hidden = yield from self.target.prefill_jobs(self._cache, self.committed,
                                                              self._captured_layers())
         self._keep_rows(0, hidden)
+        self._recycle(self.committed[-1:], logits[None])
         empty = DraftTree((), ())
         acceptance = self._accept(empty, logits[None], self._q_rows(empty, ()))
         return self._verdict((), self._commit(acceptance.tokens), 0, start)
@@ -220,6 +235,7 @@ class Session:
         job = self.target.tree_job(self._kv, self.committed[-1], tree, self._captured_layers())
         yield job
         self.rounds += 1
+        self._recycle((self.committed[-1], *tree.tokens), job.logits)
         acceptance = self._accept(tree, job.logits, q_rows)
         keep_path(self._kv, base, acceptance.accepted_nodes)
         kept = [0, *(1 + i for i in acceptance.accepted_nodes)]  # the inputs left in the cache

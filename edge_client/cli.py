@@ -28,10 +28,11 @@ from edge_client.generate import GenerationResult
 from edge_client.link import LinkConfig, LinkError
 from edge_client.security import ClientSecurity
 from edge_client.offline import LinkPolicy, OfflinePolicy
-from edge_client.server_only import Mode
+from edge_client.server_only import SERVER_DRAFTER, Mode
 from shared import progress
 from shared.auth import TOKEN_VARIABLE, read_token
 from shared.acceptance import AcceptanceMode
+from shared.drafting import SERVER_DRAFTERS
 from shared.drafting.base import DrafterName
 from shared.messages import ActivationFormat, ChatMessage, Pace
 from netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_conditions
@@ -42,7 +43,8 @@ EXIT_USAGE, EXIT_LINK = 2, 3
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
-    p.add_argument("--drafter", choices=[d.value for d in DrafterName], default=DEFAULT_DRAFTER,
+    p.add_argument("--drafter", choices=[d.value for d in DrafterName if d is not DrafterName.RECYCLE],
+                   default=DEFAULT_DRAFTER,
                    help="'moa', 'falcon': the trained drafter the server offers (fetched "
                         "once, cached; falcon drafts several tokens a step); pld, aded: "
                         "training-free; 'auto': the trained drafter the server offers, else "
@@ -76,7 +78,11 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SPLIT.value,
                    help="'split' (default): draft here, verify on the server; the baselines "
                         "through the same link: 'server-spec' (the server speculates with its "
-                        "own lookup drafter) and 'plain-api' (the server decodes token by token)")
+                        "own drafter, --server-drafter) and 'plain-api' (the server decodes token by "
+                        "token)")
+    p.add_argument("--server-drafter", choices=SERVER_DRAFTERS, default=SERVER_DRAFTER,
+                   help="server-spec: what the server drafts with; 'recycle' (Token Recycling) "
+                        "needs a server that runs it (default %(default)s)")
     p.add_argument("--pace", choices=[m.value for m in Pace], default=DEFAULT_PACE.value,
                    help="split: 'auto' (default): the server runs forward after forward and "
                         "waits for a draft in flight only while that pays; 'server': it never "
@@ -269,7 +275,7 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
     return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens, sampling, acceptance,
                          tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
                          Mode(args.mode), Pace(args.pace), args.lead or 0, args.draft_ahead,
-                         args.draft_graphs, args.race_aware)
+                         args.draft_graphs, args.race_aware, server_drafter=args.server_drafter)
 
 
 def main(argv: list[str] | None = None) -> int:

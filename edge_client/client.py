@@ -11,7 +11,7 @@ from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_a
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
-from edge_client.server_only import Mode, server_generate
+from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from edge_client.tokenizer import load_tokenizer
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
@@ -49,10 +49,14 @@ class ClientOptions:
     # MoA, Falcon under exponential-race: rank children by the session's race run on q (ERSD).
     # Off by default: measured, it lowered tau (README, "Race-aware drafting").
     race_aware: bool = False
+    server_drafter: str = SERVER_DRAFTER  # what the server drafts with under mode server-spec
 
     def __post_init__(self) -> None:
         # The library's boundary: a caller may name the drafter as text ("pld").
         object.__setattr__(self, "drafter", DrafterName(self.drafter))
+        if self.drafter is DrafterName.RECYCLE:
+            raise ValueError("recycle drafts from the target's logits, so only the server runs "
+                             "it: mode server-spec with server_drafter='recycle'")
 
     def open_request(self, prompt_ids: Sequence[int] | None = None,
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
@@ -114,7 +118,8 @@ class EdgeClient:
     async def generate(self, request: OpenRequest,
                        listener: Listener | None = None) -> GenerationResult:
         if self.options.mode is not Mode.SPLIT:
-            return await server_generate(self.link, request, self.options.mode, listener)
+            return await server_generate(self.link, request, self.options.mode, listener,
+                                         self.options.server_drafter)
         if self._drafters.needs_activations:
             request = replace(request, activations=self.options.activation_format)
         async with self._drafters.checkout() as drafter:

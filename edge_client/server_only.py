@@ -25,10 +25,12 @@ class Mode(enum.Enum):
 
 
 async def server_generate(link: ServerLink, request: OpenRequest, mode: Mode,
-                          listener: Listener | None = None) -> GenerationResult:
-    """Runs one server-only generation to its end."""
+                          listener: Listener | None = None,
+                          drafter: str = SERVER_DRAFTER) -> GenerationResult:
+    """Runs one server-only generation to its end; under server-spec the server drafts with
+    `drafter` (one of its own: pld, aded, recycle)."""
     listener = listener or SilentListener()
-    generate = GenerateRequest(request, SERVER_DRAFTER if mode is Mode.SERVER_SPEC else None)
+    generate = GenerateRequest(request, drafter if mode is Mode.SERVER_SPEC else None)
     result = GenerationResult(server_only=True)
     result.bytes_up = wire.generate_to_proto(generate).ByteSize() + GRPC_FRAME_BYTES
     start = time.perf_counter()

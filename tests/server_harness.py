@@ -5,6 +5,7 @@ import asyncio
 import threading
 from pathlib import Path
 
+from cloud_server.pacing import PacingPolicy
 from cloud_server.security import Security
 from cloud_server.server import build_service, start
 from cloud_server.target import TargetModel
@@ -16,9 +17,9 @@ class ServerThread:
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), port: int = 0,
                  drafter_dir: Path | None = None, security: Security = Security(),
-                 kv_budget_bytes: int = 0):
+                 kv_budget_bytes: int = 0, pacing: PacingPolicy = PacingPolicy()):
         self.service = build_service(target, limits, drafter_dir=drafter_dir,
-                                     kv_budget_bytes=kv_budget_bytes)
+                                     kv_budget_bytes=kv_budget_bytes, pacing=pacing)
         self._security = security
         self._port = port
         self._loop = asyncio.new_event_loop()

@@ -31,7 +31,8 @@ def test_batch_with_missing_server_fails_cleanly(tmp_path):
     assert proc.returncode == 3 and "cannot reach" in proc.stderr
 
 
-@pytest.mark.parametrize("args", [["--drafter", "nope"], ["--offline-policy", "hope"],
+@pytest.mark.parametrize("args", [["--drafter", "nope"], ["--drafter", "recycle"],
+                                  ["--offline-policy", "hope"],
                                   ["--offline-limit", "0"], ["--reconnect-timeout", "-1"],
                                   ["--draft-ahead", "-1"], ["--draft-ahead", "some"],
                                   ["--tls-cert", "edge.pem"]])
@@ -105,6 +106,7 @@ def test_ask_and_batch_against_real_server(tmp_path):
         assert any((tmp_path / "edge-cache" / "drafters").iterdir())
         # The baselines and every pace through the same simulated link: the same text.
         for flags in (["--mode", "plain-api"], ["--mode", "server-spec"],
+                      ["--mode", "server-spec", "--server-drafter", "recycle"],
                       ["--pace", "lockstep"], ["--pace", "server", "--drafter", "pld"]):
             other = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
                                            "--network", "lan", *flags,

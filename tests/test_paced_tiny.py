@@ -8,7 +8,10 @@ import pytest
 
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
-from shared.messages import FinishReason, Pace
+from cloud_server.pacing import PacingPolicy
+from shared.drafting.base import DrafterName
+from shared.messages import FinishReason, Limits, Pace
+from tests.server_harness import ServerThread
 from tests.test_split_decoding_tiny import MAX_NEW, PROMPTS
 
 
@@ -32,6 +35,18 @@ def test_paced_greedy_equals_plain(tiny_server, tiny_target, pace, drafter):
         # Every forward streams a Verdict; the client's accepted nodes are among its tokens.
         assert result.rounds + 1 <= len(result.output_ids) + 1
         assert result.accepted_tokens <= len(result.output_ids)
+
+
+def test_paced_with_the_servers_own_recycled_candidates_equals_plain(tiny_target):
+    """Token Recycling as the server's own drafter: its candidates merge with the edge's
+    re-rooted drafts, and the text stays plain greedy decoding."""
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
+    pacing = PacingPolicy(drafter=DrafterName.RECYCLE)
+    with ServerThread(tiny_target, limits, pacing=pacing) as server:
+        results = paced_outputs(server.address, "pld", Pace.SERVER)
+    for prompt, result in zip(PROMPTS, results):
+        plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+        assert compare(tiny_target, prompt, result.output_ids, plain).lossless, prompt
 
 
 def test_client_drafts_join_the_forwards(tiny_server):

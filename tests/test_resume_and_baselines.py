@@ -140,7 +140,7 @@ async def server_generate(address: str, request: GenerateRequest) -> tuple[list[
     return tokens, forwards
 
 
-@pytest.mark.parametrize("drafter", [None, "pld", "aded"])
+@pytest.mark.parametrize("drafter", [None, "pld", "aded", "recycle"])
 def test_server_side_generation_equals_plain_greedy(isolated_server, tiny_target, drafter):
     request = GenerateRequest(OpenRequest(prompt_ids=PROMPT * 3, max_new_tokens=MAX_NEW), drafter)
     tokens, forwards = asyncio.run(server_generate(isolated_server.address, request))
@@ -152,11 +152,12 @@ def test_server_side_generation_equals_plain_greedy(isolated_server, tiny_target
         assert forwards < len(tokens) - 1  # the drafter saved forwards
 
 
+@pytest.mark.parametrize("drafter", ["pld", "recycle"])
 @pytest.mark.parametrize("mode", list(AcceptanceMode)[1:])
-def test_server_side_generation_samples_in_every_mode(isolated_server, mode):
+def test_server_side_generation_samples_in_every_mode(isolated_server, mode, drafter):
     open_ = OpenRequest(prompt_ids=PROMPT * 3, max_new_tokens=MAX_NEW,
                         sampling=SamplingParams(temperature=0.9, seed=5), acceptance=mode)
-    runs = [asyncio.run(server_generate(isolated_server.address, GenerateRequest(open_, "pld")))
+    runs = [asyncio.run(server_generate(isolated_server.address, GenerateRequest(open_, drafter)))
             for _ in range(2)]
     assert runs[0] == runs[1] and len(runs[0][0]) == MAX_NEW
 

@@ -9,6 +9,10 @@ from shared.drafting.pld import PromptLookupDrafter
 
 DRAFTERS: dict[DrafterName, type[AdedDrafter] | type[PromptLookupDrafter]] = {
     cls.name: cls for cls in (AdedDrafter, PromptLookupDrafter)}
+# What a server drafts with itself (server-side speculation, its own candidates in paced
+# sessions): these, and Token Recycling, which reads the target's logits
+# (cloud_server/recycling.py).
+SERVER_DRAFTERS = tuple(sorted([*DRAFTERS, DrafterName.RECYCLE]))
 
 
 def make_drafter(name: DrafterName | str, depth_limit: int | None = None) -> Drafter:

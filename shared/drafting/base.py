@@ -25,6 +25,9 @@ class DrafterName(StrEnum):
     FALCON = "falcon"  # the trained semi-autoregressive drafter (edge_client/drafters/falcon.py)
     PLD = "pld"
     ADED = "aded"
+    # Token Recycling, the server's own only: it drafts from the target's logits, which the
+    # edge never sees (cloud_server/recycling.py)
+    RECYCLE = "recycle"
 
 
 class Drafter(Protocol):

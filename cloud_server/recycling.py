@@ -1,0 +1,135 @@
+"""Token Recycling: the server drafts with what its own verification forwards already computed.
+
+Token Recycling (Luo et al. 2024, "Turning Trash into Treasure: Accelerating Inference of Large
+Language Models with Token Recycling", arXiv 2408.08696, section 3): every forward gives the
+target's logits at every input position, accepted or not, and their top-k is thrown away. Kept
+in an adjacency table token -> the target's top-k successors the last time that token was an
+input (`recycle`), it drafts a tree by expanding, from the last committed token, each node into
+the table's successors of its token. It needs no model and no training, and costs the server a
+top-k over the rows it computed anyway (the session computes it: Session.watch_successors).
+
+Taken from the paper: the table of top-k successors, overwritten by every forward's rows, and
+the tree grown by repeated look-ups. This implementation's own choices:
+  - the tree is grown best-first (EAGLE-2's rule, docs/architecture.md, Drafters) with a node's
+    score the product over its path of the measured rate at which a successor of that rank was
+    accepted, sized by the server's tree budget, instead of the paper's fixed tree template;
+  - a token the target has not seen as an input yet falls back on the tokens that followed it
+    in the committed text, most recent first (the paper starts from an empty or a previous
+    query's table: a table shared across sessions would carry one user's text into another's
+    drafts, so each session starts afresh).
+Only the server can run it: the edge never sees the target's logits.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from typing import Sequence
+
+import numpy as np
+
+from shared.acceptance import AcceptanceMode
+from shared.draft_q import Proposal
+from shared.drafting.base import DrafterName, TextDrafter
+from shared.drafting.trie import TokenTrie
+from shared.tree import ROOT, DraftTree
+
+TOP_K = 8  # successors kept per token (the paper's k)
+PRIOR_WEIGHT = 2.0  # pseudo-trials behind each rank's prior acceptance rate
+
+
+class RecyclingDrafter(TextDrafter):
+    name = DrafterName.RECYCLE
+    sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
+
+    def __init__(self, max_depth: int = 8, top_k: int = TOP_K) -> None:
+        self.max_depth = max_depth
+        self.top_k = top_k
+        self._prior = 0.5 / (1.0 + np.arange(top_k))  # [top_k]: rank r is right this often
+        self.reset(())
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self._recycled: dict[int, tuple[int, ...]] = {}  # token -> the target's top-k successors
+        self._followers: dict[int, list[int]] = {}  # token -> what followed it in the text
+        self._indexed = 0
+        self._offered = np.zeros(self.top_k)  # successors of rank r offered where checkable
+        self._hits = np.zeros(self.top_k)  # ... and accepted
+        self._last: tuple[DraftTree, tuple[int, ...]] | None = None  # last tree, node ranks
+        self._index(prompt)
+
+    def recycle(self, inputs: Sequence[int], successors: np.ndarray) -> None:
+        """A forward's inputs and the target's top-k at each: successors [len(inputs), k],
+        best first. Later rows overwrite earlier ones, as the paper's table does."""
+        for token, row in zip(inputs, successors):
+            self._recycled[int(token)] = tuple(row[: self.top_k].tolist())
+
+    def successors(self, token: int) -> Sequence[int]:
+        """The candidates after `token`, best first."""
+        recycled = self._recycled.get(token)
+        return recycled if recycled is not None else self._followers.get(token, ())
+
+    def rank_rates(self) -> np.ndarray:
+        """[top_k]: the rate at which a successor of each rank was accepted."""
+        return ((self._hits + PRIOR_WEIGHT * self._prior)
+                / (self._offered + PRIOR_WEIGHT))
+
+    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        tree = self._trie(context, max_nodes).best_tree(max_nodes)
+        self._last = (tree, self._ranks(tree, context[-1] if context else None))
+        return tree
+
+    def propose_sampled(self, context: Sequence[int], max_nodes: int,
+                        rng: np.random.Generator) -> Proposal:
+        """Drafts drawn from q = each node's successors weighted by their rank's rate."""
+        return self._trie(context, max_nodes).sampled_tree(max_nodes, rng)
+
+    def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
+                tokens: tuple[int, ...]) -> None:
+        """Counts, per rank, the successors offered below an accepted node (or the root) and
+        those accepted: the rates that order the next trees."""
+        if self._last is None or self._last[0] != tree:
+            return
+        ranks = self._last[1]
+        reached = {ROOT, *accepted_nodes}
+        for node, parent in enumerate(tree.parents):
+            if parent in reached:
+                self._offered[ranks[node]] += 1
+                self._hits[ranks[node]] += node in reached
+
+    def _trie(self, context: Sequence[int], max_nodes: int) -> TokenTrie:
+        """At least the best `max_nodes` nodes grown from the last committed token."""
+        self._index(context)
+        rates = self.rank_rates()
+        trie = TokenTrie()
+        order = itertools.count()  # ties go to the earlier push
+        heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, parent, token, depth)
+
+        def push(parent: int, token: int, score: float, depth: int) -> None:
+            if depth < self.max_depth:
+                for rank, child in enumerate(self.successors(token)):
+                    heapq.heappush(heap, (-score * rates[rank], next(order), parent, int(child),
+                                          depth + 1))
+
+        if context:
+            push(ROOT, context[-1], 1.0, 0)
+        while heap and len(trie) < max_nodes:
+            neg, _, parent, token, depth = heapq.heappop(heap)
+            push(trie.add(parent, token, -neg), token, -neg, depth)
+        return trie
+
+    def _ranks(self, tree: DraftTree, last: int | None) -> tuple[int, ...]:
+        """Each node's rank among its parent token's successors, as the table has them now."""
+        parent_token = [last if p == ROOT else tree.tokens[p] for p in tree.parents]
+        return tuple(list(self.successors(t)).index(token) if t is not None else 0
+                     for t, token in zip(parent_token, tree.tokens))
+
+    def _index(self, text: Sequence[int]) -> None:
+        """Records what followed each token of `text` not indexed yet."""
+        if len(text) < self._indexed:
+            self._indexed = 0
+        for i in range(max(1, self._indexed), len(text)):
+            followers = self._followers.setdefault(text[i - 1], [])
+            if text[i] in followers:
+                followers.remove(text[i])
+            followers.insert(0, text[i])
+            del followers[self.top_k:]
+        self._indexed = len(text)

@@ -1,0 +1,77 @@
+"""Token Recycling (cloud_server/recycling.py): trees grown from the target's recycled top-k, the
+text's followers before the target has spoken, ranks learned from verdicts, and the session
+handing every forward's top-k to the drafter."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cloud_server.recycling import RecyclingDrafter
+from cloud_server.session import Session
+from edge_client.client import ClientOptions
+from shared.draft_q import Proposal
+from shared.messages import Limits, OpenRequest
+from shared.tree import ROOT, DraftTree
+
+
+def table(drafter: RecyclingDrafter, rows: dict[int, list[int]]) -> None:
+    drafter.recycle(list(rows), np.array(list(rows.values())))
+
+
+def test_tree_follows_the_recycled_successors_best_first() -> None:
+    drafter = RecyclingDrafter(top_k=2)
+    table(drafter, {1: [2, 3], 2: [4, 5], 3: [6, 7], 4: [8, 9]})
+    tree = drafter.propose([9, 1], max_nodes=6)
+    # by the prior, rank 0 is right twice as often as rank 1: the best six nodes of the table
+    assert tree.tokens[0] == 2 and sorted(tree.tokens) == [2, 3, 4, 5, 6, 8]
+    assert tree.path_tokens(tree.tokens.index(8)) == [2, 4, 8]
+    tree.validate(vocab_size=10, max_nodes=6, max_depth=8)
+
+
+def test_depth_and_node_budget_are_kept() -> None:
+    drafter = RecyclingDrafter(max_depth=2, top_k=2)
+    table(drafter, {t: [t + 1, t + 2] for t in range(20)})
+    tree = drafter.propose([0], max_nodes=50)
+    assert max(tree.depths()) == 1 and len(tree) == 2 + 4
+    assert len(drafter.propose([0], max_nodes=3)) == 3
+
+
+def test_unseen_tokens_fall_back_on_what_followed_them_in_the_text() -> None:
+    drafter = RecyclingDrafter(top_k=4)
+    drafter.reset([5, 6, 7, 5, 8])
+    assert list(drafter.successors(5)) == [8, 6]  # most recent first
+    table(drafter, {5: [1, 2, 3, 4]})
+    assert list(drafter.successors(5)) == [1, 2, 3, 4]  # the target's word wins
+    assert drafter.propose([3], max_nodes=4) == DraftTree((), ())  # nothing known after 3
+
+
+def test_verdicts_teach_which_ranks_are_right() -> None:
+    drafter = RecyclingDrafter(top_k=2)
+    table(drafter, {1: [2, 3], 2: [4, 5], 3: [6, 7]})
+    before = drafter.rank_rates()
+    for _ in range(20):
+        tree = drafter.propose([1], max_nodes=2)  # 2 and 3, both children of the root
+        drafter.observe([1], tree, (tree.tokens.index(3),), (3, 6))
+    after = drafter.rank_rates()
+    assert after[1] > before[1] and after[0] < before[0]
+    assert drafter.propose([1], max_nodes=1).tokens == (3,)  # rank 1 now comes first
+
+
+def test_the_session_hands_every_forward_its_top_k(tiny_target) -> None:
+    """In greedy decoding the top-1 after the pending token is the token committed next."""
+    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=(5, 6, 7), max_new_tokens=6))
+    seen: list[tuple[list[int], np.ndarray]] = []
+    session.watch_successors(3, lambda inputs, top: seen.append((list(inputs), top)))
+    session.prefill()
+    tree = DraftTree.chain([1, 2])
+    session.advance(Proposal(tree))
+    (first_in, first_top), (step_in, step_top) = seen
+    assert first_in == [7] and first_top.shape == (1, 3)
+    assert first_top[0, 0] == session.committed[3]
+    assert step_in == [session.committed[3], 1, 2] and step_top.shape == (3, 3)
+    assert step_top[0, 0] == session.committed[4]
+
+
+def test_the_edge_cannot_draft_with_recycling() -> None:
+    with pytest.raises(ValueError, match="only the server runs it"):
+        ClientOptions("recycle")
