@@ -16,7 +16,10 @@ the tree grown by repeated look-ups. This implementation's own choices:
   - a token the target has not seen as an input yet falls back on the tokens that followed it
     in the committed text, most recent first (the paper starts from an empty or a previous
     query's table: a table shared across sessions would carry one user's text into another's
-    drafts, so each session starts afresh).
+    drafts, so each session starts afresh);
+  - as MoA's trees do, a prompt-lookup tree (shared/drafting/pld.py) of up to a quarter of the
+    budget is merged in where the text repeats itself: a table keyed by one token cannot copy
+    a long span, and n-gram lookup can.
 Only the server can run it: the edge never sees the target's logits.
 """
 from __future__ import annotations
@@ -30,10 +33,13 @@ import numpy as np
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.drafting.base import DrafterName, TextDrafter
+from shared.drafting.pld import PromptLookupDrafter
 from shared.drafting.trie import TokenTrie
 from shared.tree import ROOT, DraftTree
 
 TOP_K = 8  # successors kept per token (the paper's k)
+LOOKUP_NODES = 16  # prompt-lookup nodes merged into a tree at most, as MoA's (a quarter at most)
+NOT_A_SUCCESSOR = -1
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind each rank's prior acceptance rate
 
 
@@ -41,9 +47,12 @@ class RecyclingDrafter(TextDrafter):
     name = DrafterName.RECYCLE
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
-    def __init__(self, max_depth: int = 8, top_k: int = TOP_K) -> None:
+    def __init__(self, max_depth: int = 8, top_k: int = TOP_K,
+                 lookup_nodes: int = LOOKUP_NODES) -> None:
         self.max_depth = max_depth
         self.top_k = top_k
+        self.lookup_nodes = lookup_nodes
+        self._lookup = PromptLookupDrafter(max_depth=max_depth)
         self._prior = 0.5 / (1.0 + np.arange(top_k))  # [top_k]: rank r is right this often
         self.reset(())
 
@@ -54,6 +63,7 @@ class RecyclingDrafter(TextDrafter):
         self._offered = np.zeros(self.top_k)  # successors of rank r offered where checkable
         self._hits = np.zeros(self.top_k)  # ... and accepted
         self._last: tuple[DraftTree, tuple[int, ...]] | None = None  # last tree, node ranks
+        self._lookup.reset(prompt)
         self._index(prompt)
 
     def recycle(self, inputs: Sequence[int], successors: np.ndarray) -> None:
@@ -73,7 +83,10 @@ class RecyclingDrafter(TextDrafter):
                 / (self._offered + PRIOR_WEIGHT))
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        tree = self._trie(context, max_nodes).best_tree(max_nodes)
+        budget = min(self.lookup_nodes, max_nodes // 4)
+        lookup = self._lookup.propose(context, budget) if budget else DraftTree((), ())
+        rest = max_nodes - len(lookup)
+        tree = self._trie(context, rest).best_tree(rest).merged(lookup, max_nodes)
         self._last = (tree, self._ranks(tree, context[-1] if context else None))
         return tree
 
@@ -91,7 +104,7 @@ class RecyclingDrafter(TextDrafter):
         ranks = self._last[1]
         reached = {ROOT, *accepted_nodes}
         for node, parent in enumerate(tree.parents):
-            if parent in reached:
+            if parent in reached and ranks[node] != NOT_A_SUCCESSOR:
                 self._offered[ranks[node]] += 1
                 self._hits[ranks[node]] += node in reached
 
@@ -117,10 +130,14 @@ class RecyclingDrafter(TextDrafter):
         return trie
 
     def _ranks(self, tree: DraftTree, last: int | None) -> tuple[int, ...]:
-        """Each node's rank among its parent token's successors, as the table has them now."""
-        parent_token = [last if p == ROOT else tree.tokens[p] for p in tree.parents]
-        return tuple(list(self.successors(t)).index(token) if t is not None else 0
-                     for t, token in zip(parent_token, tree.tokens))
+        """Each node's rank among its parent token's successors, as the table has them now
+        (NOT_A_SUCCESSOR for a lookup node the table does not have)."""
+        ranks = []
+        for parent, token in zip(tree.parents, tree.tokens):
+            above = last if parent == ROOT else tree.tokens[parent]
+            successors = [] if above is None else list(self.successors(above))
+            ranks.append(successors.index(token) if token in successors else NOT_A_SUCCESSOR)
+        return tuple(ranks)
 
     def _index(self, text: Sequence[int]) -> None:
         """Records what followed each token of `text` not indexed yet."""

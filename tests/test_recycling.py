@@ -45,6 +45,19 @@ def test_unseen_tokens_fall_back_on_what_followed_them_in_the_text() -> None:
     assert drafter.propose([3], max_nodes=4) == DraftTree((), ())  # nothing known after 3
 
 
+def test_repeated_text_adds_prompt_lookup_nodes() -> None:
+    """Where the text repeats itself, the tree also copies what followed the last time."""
+    drafter = RecyclingDrafter(top_k=2)
+    text = [1, 2, 3, 4, 9, 1, 2]
+    drafter.reset(text)
+    table(drafter, {2: [7, 8], 7: [6, 5]})
+    tree, before = drafter.propose(text, max_nodes=8), drafter.rank_rates()
+    assert tree.path_tokens(tree.tokens.index(4)) == [3, 4]  # lookup: 3, 4 followed 1, 2
+    assert tree.tokens[0] == 7  # the recycled successors come first
+    drafter.observe(text, tree, (tree.tokens.index(3),), (3, 4))  # a lookup node: no rank
+    assert drafter.rank_rates()[0] < before[0]  # rank 0 (7) was offered, not taken
+
+
 def test_verdicts_teach_which_ranks_are_right() -> None:
     drafter = RecyclingDrafter(top_k=2)
     table(drafter, {1: [2, 3], 2: [4, 5], 3: [6, 7]})
