@@ -38,6 +38,7 @@ from shared.drafting.trie import TokenTrie
 from shared.tree import ROOT, DraftTree
 
 TOP_K = 8  # successors kept per token (the paper's k)
+MAX_DEPTH = 8  # the deepest tree it grows, unless the server's limit is lower
 LOOKUP_NODES = 16  # prompt-lookup nodes merged into a tree at most, as MoA's (a quarter at most)
 NOT_A_SUCCESSOR = -1
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind each rank's prior acceptance rate
@@ -47,7 +48,7 @@ class RecyclingDrafter(TextDrafter):
     name = DrafterName.RECYCLE
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
-    def __init__(self, max_depth: int = 8, top_k: int = TOP_K,
+    def __init__(self, max_depth: int = MAX_DEPTH, top_k: int = TOP_K,
                  lookup_nodes: int = LOOKUP_NODES) -> None:
         self.max_depth = max_depth
         self.top_k = top_k

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from cloud_server import recycling
 from cloud_server.recycling import RecyclingDrafter
 from cloud_server.session import ActivationSource, Session
 from cloud_server.target import TargetModel, Work
@@ -36,8 +37,7 @@ def own_drafter(name: str | None, limits: Limits) -> Drafter | None:
         raise InvalidRequest(f"unknown drafter {name!r}; the server runs: "
                              f"{', '.join(SERVER_DRAFTERS)}")
     if name == DrafterName.RECYCLE:
-        return RecyclingDrafter(max_depth=min(RecyclingDrafter().max_depth,
-                                              limits.max_tree_depth))
+        return RecyclingDrafter(max_depth=min(recycling.MAX_DEPTH, limits.max_tree_depth))
     return make_drafter(DrafterName(name), limits.max_tree_depth)
 
 

@@ -43,8 +43,8 @@ EXIT_USAGE, EXIT_LINK = 2, 3
 
 def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
-    p.add_argument("--drafter", choices=[d.value for d in DrafterName if d is not DrafterName.RECYCLE],
-                   default=DEFAULT_DRAFTER,
+    edge_drafters = [d.value for d in DrafterName if d is not DrafterName.RECYCLE]
+    p.add_argument("--drafter", choices=edge_drafters, default=DEFAULT_DRAFTER,
                    help="'moa', 'falcon': the trained drafter the server offers (fetched "
                         "once, cached; falcon drafts several tokens a step); pld, aded: "
                         "training-free; 'auto': the trained drafter the server offers, else "
@@ -78,8 +78,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.SPLIT.value,
                    help="'split' (default): draft here, verify on the server; the baselines "
                         "through the same link: 'server-spec' (the server speculates with its "
-                        "own drafter, --server-drafter) and 'plain-api' (the server decodes token by "
-                        "token)")
+                        "own drafter, --server-drafter) and 'plain-api' (the server decodes "
+                        "token by token)")
     p.add_argument("--server-drafter", choices=SERVER_DRAFTERS, default=SERVER_DRAFTER,
                    help="server-spec: what the server drafts with; 'recycle' (Token Recycling) "
                         "needs a server that runs it (default %(default)s)")
