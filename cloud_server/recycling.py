@@ -141,9 +141,10 @@ class RecyclingDrafter(TextDrafter):
         return tuple(ranks)
 
     def _index(self, text: Sequence[int]) -> None:
-        """Records what followed each token of `text` not indexed yet."""
+        """Records what followed each token of `text` not indexed yet; a shorter text than
+        the one indexed is another text, whose followers start afresh."""
         if len(text) < self._indexed:
-            self._indexed = 0
+            self._followers, self._indexed = {}, 0
         for i in range(max(1, self._indexed), len(text)):
             followers = self._followers.setdefault(text[i - 1], [])
             if text[i] in followers:

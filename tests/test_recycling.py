@@ -43,6 +43,8 @@ def test_unseen_tokens_fall_back_on_what_followed_them_in_the_text() -> None:
     table(drafter, {5: [1, 2, 3, 4]})
     assert list(drafter.successors(5)) == [1, 2, 3, 4]  # the target's word wins
     assert drafter.propose([3], max_nodes=4) == DraftTree((), ())  # nothing known after 3
+    drafter.propose([6, 2, 6], max_nodes=4)  # a shorter text: another one
+    assert list(drafter.successors(6)) == [2] and list(drafter.successors(7)) == []
 
 
 def test_repeated_text_adds_prompt_lookup_nodes() -> None:
