@@ -23,7 +23,7 @@ from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.metrics import Metrics
 from cloud_server.model_thread import ModelThread
 from cloud_server.paced_decoder import PacedDecoder
-from cloud_server.pacing import Inbox, PacingPolicy, run_paced
+from cloud_server.pacing import Inbox, Outbox, PacingPolicy, run_paced
 from cloud_server.server_decoding import ServerDecoder, own_drafter
 from cloud_server.session import Session
 from cloud_server.security import caller
@@ -44,6 +44,9 @@ from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 CHUNK_BYTES = 256 * 1024
+# A paced Verdict carries its activations inside up to this size (a forward's few rows); more
+# (a prompt's) follow it. 16 KiB holds a token up for 64 ms on a 2 Mbit/s link.
+INLINE_ACTIVATION_BYTES = 16 * 1024
 STATUS_OF = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
@@ -180,7 +183,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
                      else await self.batcher.run(session.prefilling(), session.id))
             await self._send(context, session.opened(resumed))
-            await self._send(context, first)
+            await self._send_verdict(context, session, first)
             serve = self._serve_rounds if session.pace is Pace.LOCKSTEP else self._serve_paced
             ended = await serve(session, context, owner)
         except SplitDecodingError:
@@ -252,20 +255,23 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                             self.verify_costs, self._load)
         decoder = PacedDecoder(session, own, self.verify_costs)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox))
+        outbox = Outbox(lambda verdict: self._send_verdict(context, session, verdict))
         try:
-            await run_paced(lambda: len(session.committed), lambda: session.finished, inbox,
-                            lambda draft, queued_at: self.batcher.run(
+            await run_paced(lambda: len(session.committed),
+                            lambda: session.finished or not self.sessions.owns(session, owner),
+                            inbox, lambda draft, queued_at: self.batcher.run(
                                 decoder.stepping(draft, queued_at), session.id),
-                            lambda verdict: self._send(context, verdict), session.pace,
-                            session.lead,
+                            outbox.put, session.pace, session.lead,
                             lambda: self.pacing.load_wait and self.batcher.pending > 0)
             if not session.finished and await reader is _Ended.GONE:
                 return False
+            await outbox.flush()
             await self._send(context, session.done())
             await reader  # drafts still in flight are dropped until the client half-closes
             return True
         finally:
             reader.cancel()
+            outbox.cancel()
 
     async def _fill(self, session: Session, context, owner: object, inbox: Inbox) -> "_Ended":
         """Reads the client's drafts into the inbox until it closes, the stream ends or another
@@ -322,6 +328,16 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         # Half the message limit for the activations leaves room for the rest of a Verdict.
         self.metrics.sent(msg, await _send_parts(context, msg,
                                                  self.limits.max_message_bytes // 2))
+
+    async def _send_verdict(self, context, session: Session, verdict: Verdict) -> None:
+        """A paced session's Verdict goes before its activations when they are many (the
+        prompt's): the client shows the tokens at once and the server runs on meanwhile. In
+        lock-step the client drafts from the rows next, so they stay inside (`_send`)."""
+        if session.pace is Pace.LOCKSTEP:
+            return await self._send(context, verdict)
+        for msg in wire.trailing(verdict, INLINE_ACTIVATION_BYTES,
+                                 self.limits.max_message_bytes // 2):
+            await self._send(context, msg)
 
     async def _read(self, context):
         """The next client message as a domain object; None at the end of the stream."""

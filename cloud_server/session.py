@@ -205,9 +205,12 @@ class Session:
         if held[: len(edge)] != edge:
             raise InvalidRequest(f"resume history of {len(edge)} tokens does not match session "
                                  f"{self.id}")
-        # The edge holds activations up to its own pending token, not included.
-        return self._verdict((), tuple(held[len(edge):]), len(self.prompt_ids) + len(edge) - 1,
-                             time.perf_counter())
+        # The edge holds activations up to its own pending token, not included, unless rows that
+        # trailed a Verdict were lost with the stream (wire.trailing).
+        first_row = len(self.prompt_ids) + len(edge) - 1
+        if resume.rows_held is not None:
+            first_row = min(first_row, resume.rows_held)
+        return self._verdict((), tuple(held[len(edge):]), first_row, time.perf_counter())
 
     def verify(self, draft: DraftRequest, queued_at: float | None = None) -> Work[Verdict]:
         """One round: checks the tree against the target and commits what it agrees with.

@@ -23,7 +23,7 @@ from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
 from shared.draft_q import Proposal, point_masses
 from shared.messages import (
-    Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace, Resume, Verdict,
+    ActivationRows, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace, Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
@@ -130,6 +130,7 @@ class SplitGeneration:
         self.opened: Opened | None = None
         self.context: list[int] = []  # prompt + committed tokens
         self.offline: list[int] = []  # unverified tokens continuing the context
+        self.rows_held = 0  # leading positions whose activation rows the drafter holds
         self.finish = FinishReason.NOT_FINISHED
         self._next_round = 1
         self._ready_tree: DraftTree | None = None  # from a speculation that came true
@@ -170,7 +171,8 @@ class SplitGeneration:
         o = self.opened
         return replace(self.request, prompt_ids=o.prompt_ids, chat=None, acceptance=o.acceptance,
                        sampling=replace(self.request.sampling, seed=o.seed),
-                       resume=Resume(o.session_id, tuple(self.context[len(o.prompt_ids):])))
+                       resume=Resume(o.session_id, tuple(self.context[len(o.prompt_ids):]),
+                                     self.rows_held))
 
     async def _open(self, stream: DecodeStream, start: float) -> None:
         resuming = self.opened is not None
@@ -243,7 +245,13 @@ class SplitGeneration:
         follower = DraftFollower(self.lag)
         await self._answer(stream, follower)
         while self.finish is FinishReason.NOT_FINISHED:
-            verdict: Verdict = await _expect(stream, Verdict)
+            msg = await stream.recv()
+            if isinstance(msg, ActivationRows):  # the rows that trail a Verdict (wire.trailing)
+                self._add_rows(msg)
+                continue
+            if not isinstance(msg, Verdict):
+                raise LinkError(f"protocol error: expected Verdict, got {type(msg).__name__}")
+            verdict = msg
             self._learn(follower.verified(verdict, self.context), verdict)
             self.result.rounds += 1
             self.result.accepted_tokens += len(verdict.accepted_nodes)
@@ -319,7 +327,7 @@ class SplitGeneration:
             raise LinkError(f"protocol error: server holds {verdict.committed_length} tokens, "
                             f"the edge {len(self.context) + len(verdict.tokens)}")
         if verdict.activations is not None:
-            self.drafter.add_activations(verdict.activations.start, verdict.activations.values)
+            self._add_rows(verdict.activations)
         tokens = list(verdict.tokens)
         self.context.extend(tokens)
         self.result.output_ids.extend(tokens)
@@ -330,6 +338,10 @@ class SplitGeneration:
         self._next_round = verdict.round_id + 1
         if tokens:
             self.listener.committed(tokens)
+
+    def _add_rows(self, rows: ActivationRows) -> None:
+        self.drafter.add_activations(rows.start, rows.values)
+        self.rows_held = rows.start + len(rows.values)
 
     async def _ride_out(self, err: ServerUnreachable) -> bool:
         """Waits out a broken link, drafting offline as the policy allows. True: try the server

@@ -100,6 +100,7 @@ class Resume:
 
     session_id: str
     generated_ids: tuple[int, ...]
+    rows_held: int | None = None  # activation rows the edge holds (None: all it could)
 
 
 @dataclass(frozen=True)
@@ -183,4 +184,4 @@ class Done:
 
 
 ClientMessage = OpenRequest | DraftRequest | CloseRequest
-ServerMessage = Opened | Verdict | Done
+ServerMessage = Opened | Verdict | Done | ActivationRows  # rows: paced sessions (wire.py)

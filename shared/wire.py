@@ -103,7 +103,8 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
         open_msg.input_ids.ids.extend(msg.prompt_ids or ())
     if msg.resume is not None:
         open_msg.resume.CopyFrom(pb.Resume(session_id=msg.resume.session_id,
-                                           generated_ids=msg.resume.generated_ids))
+                                           generated_ids=msg.resume.generated_ids,
+                                           rows_held=msg.resume.rows_held))
     return open_msg
 
 
@@ -171,8 +172,7 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
     common: dict[str, Any] = dict(max_new_tokens=msg.max_new_tokens, sampling=_sampling_from_proto(msg.sampling),
                   acceptance=_from_proto(ACCEPTANCE, msg.acceptance),
                   stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
-                  resume=(Resume(msg.resume.session_id, tuple(msg.resume.generated_ids))
-                          if msg.HasField("resume") else None),
+                  resume=_resume_from_proto(msg.resume) if msg.HasField("resume") else None,
                   activations=_from_proto(ACTIVATIONS, msg.activations),
                   pace=_from_proto(PACE, msg.pace), lead=msg.lead)
     which = msg.WhichOneof("prompt")
@@ -182,6 +182,11 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
     if which == "input_ids":
         return OpenRequest(prompt_ids=tuple(msg.input_ids.ids), **common)
     raise InvalidRequest("open has no prompt: set input_ids or chat")
+
+
+def _resume_from_proto(msg: pb.Resume) -> Resume:
+    return Resume(msg.session_id, tuple(msg.generated_ids),
+                  msg.rows_held if msg.HasField("rows_held") else None)
 
 
 def _sampling_to_proto(params: SamplingParams) -> pb.Sampling:
@@ -204,6 +209,8 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
             session_id=msg.session_id, prompt_ids=msg.prompt_ids,
             acceptance=_to_proto(ACCEPTANCE, msg.acceptance), seed=msg.seed,
             resumed=msg.resumed, pace=_to_proto(PACE, msg.pace), lead=msg.lead))
+    if isinstance(msg, ActivationRows):
+        return pb.ServerMessage(activations=_activations_to_proto(msg))
     if isinstance(msg, Verdict):
         verdict = pb.Verdict(
             round_id=msg.round_id, accepted_nodes=msg.accepted_nodes, tokens=msg.tokens,
@@ -236,6 +243,21 @@ def verdict_parts(verdict: Verdict, max_bytes: int) -> list[Verdict]:
     parts = [Verdict(verdict.round_id, (), (), base, queue_ms=verdict.queue_ms,
                      activations=_slice(rows, a, a + per_part), more=True) for a in cuts[:-1]]
     return [*parts, replace(verdict, activations=_slice(rows, cuts[-1], n))]
+
+
+def trailing(verdict: Verdict, inline_bytes: int, max_bytes: int) -> list[Verdict | ActivationRows]:
+    """A paced session's `verdict` as sent: its activations inside it when they take at most
+    `inline_bytes`, else the Verdict alone, then its rows in messages of at most about
+    `max_bytes` each, so that its tokens do not queue behind them on the link. A Verdict that
+    ends the generation goes alone: nobody drafts past it."""
+    rows = verdict.activations
+    if rows is None or _row_bytes(rows) * len(rows.values) <= inline_bytes:
+        return [verdict]
+    head = replace(verdict, activations=None)
+    if verdict.finish_reason is not FinishReason.NOT_FINISHED:
+        return [head]
+    per_part = max(1, max_bytes // _row_bytes(rows))
+    return [head, *(_slice(rows, a, a + per_part) for a in range(0, len(rows.values), per_part))]
 
 
 def join_parts(parts: list[Verdict]) -> Verdict:
@@ -302,4 +324,6 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     if kind == "done":
         d = msg.done
         return Done(FinishReason(d.finish_reason), d.generated_tokens, d.rounds)
-    raise ValueError("server message has no opened, verdict or done")
+    if kind == "activations":
+        return _activations_from_proto(msg.activations)
+    raise ValueError("server message has no opened, verdict, done or activations")

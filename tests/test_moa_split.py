@@ -4,16 +4,20 @@ greedy split decoding stays identical to plain greedy decoding, through an outag
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
+from edge_client.drafters.moa import MoaDrafter
 from edge_client.drafters.moa_bundle import bundle_cache_dir
-from edge_client.link import LinkError
+from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.messages import (
-    ActivationFormat, ArtifactKind, FinishReason, Limits, OpenRequest, Pace,
+    ActivationFormat, ActivationRows, ArtifactKind, FinishReason, Limits, OpenRequest, Pace,
+    Resume, Verdict,
 )
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from shared.sampling import SamplingParams
@@ -232,3 +236,83 @@ def test_activations_past_the_message_limit_arrive_in_parts(tiny_target, tiny_dr
         result, = run(server.address, ClientOptions("moa", 8, MAX_NEW), prompts=[prompt])
     plain = plain_greedy(tiny_target, prompt, MAX_NEW)
     assert compare(tiny_target, prompt, result.output_ids, plain).lossless
+
+
+def _recording_trailing(monkeypatch) -> list[list]:
+    """What the server's wire.trailing returned for each paced Verdict it sent."""
+    from shared import wire
+
+    sent: list[list] = []
+    real = wire.trailing
+
+    def trailing(*args):
+        sent.append(real(*args))
+        return sent[-1]
+    monkeypatch.setattr(wire, "trailing", trailing)
+    return sent
+
+
+@pytest.mark.parametrize("pace", [Pace.SERVER, Pace.AUTO])
+def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter_dir, pace,
+                                                       tmp_path, monkeypatch):
+    """A paced session sends the prompt's many activation rows after the prefill's Verdict, in
+    messages within the message limit, so its first token does not queue behind them on the
+    link; the edge's drafter gets every row, in order, and the text is exact."""
+    from cloud_server import service
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
+    sent = _recording_trailing(monkeypatch)
+    added: list[tuple[int, int]] = []  # (start, rows) as the edge's drafter got them
+    real_add = MoaDrafter.add_activations
+    monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
+        added.append((start, len(values))), real_add(self, start, values))[-1])
+    limits = replace(LIMITS, max_message_bytes=4096)
+    prompt = tuple(range(40, 100))
+    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+        assert 60 * server.service.info().activation_width * 2 > limits.max_message_bytes
+        result, = run(server.address, ClientOptions("moa", 8, MAX_NEW, pace=pace),
+                      prompts=[prompt])
+    head, *rows = sent[0]
+    assert isinstance(head, Verdict) and head.activations is None and head.tokens
+    assert len(rows) >= 2 and all(isinstance(r, ActivationRows) for r in rows)
+    assert [r.start for r in rows] == list(np.cumsum([0] + [len(r.values) for r in rows[:-1]]))
+    assert sum(len(r.values) for r in rows) == len(prompt)
+    assert added[: len(rows)] == [(r.start, len(r.values)) for r in rows]
+    assert compare(tiny_target, prompt, result.output_ids,
+                   plain_greedy(tiny_target, prompt, MAX_NEW)).lossless
+
+
+def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tiny_drafter_dir,
+                                                                monkeypatch):
+    """The stream breaks after the prefill's Verdict, before the prompt's rows that trail it:
+    the resume says it holds none (Resume.rows_held) and gets them all again."""
+    from cloud_server import service
+
+    monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
+    prompt = tuple(range(40, 100))
+    request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
+                          activations=ActivationFormat.FP16, lead=1)
+
+    async def go(address: str) -> tuple[Verdict, list[ActivationRows]]:
+        async with ServerLink(address) as link:
+            stream = link.decode()
+            await stream.send(request)
+            opened, first = await stream.recv(), await stream.recv()
+            assert first.activations is None
+            stream.cancel()
+            await asyncio.sleep(0.2)  # the server notices the stream is gone
+            stream = link.decode()
+            await stream.send(replace(request, resume=Resume(opened.session_id, first.tokens,
+                                                             rows_held=0)))
+            assert (await stream.recv()).resumed
+            again, rows = await stream.recv(), []
+            while isinstance(msg := await stream.recv(), ActivationRows):
+                rows.append(msg)
+            stream.cancel()
+            return again, rows
+
+    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir) as server:
+        again, rows = asyncio.run(go(server.address))
+    assert rows[0].start == 0
+    assert sum(len(r.values) for r in rows) >= len(prompt)  # and what the server ran ahead

@@ -10,9 +10,9 @@ import threading
 import grpc
 import pytest
 
-from cloud_server.pacing import AutoPace, Inbox, PacingPolicy
+from cloud_server.pacing import AutoPace, Inbox, Outbox, PacingPolicy, run_paced
 from shared.errors import OutOfOrder
-from shared.messages import DraftRequest, Pace
+from shared.messages import DraftRequest, Pace, Verdict
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 from shared.tree import DraftTree
@@ -85,6 +85,38 @@ def test_policy_caps_the_lead_and_fills_defaults():
     policy = PacingPolicy(pace=Pace.LOCKSTEP, lead=32, max_lead=64)
     assert policy.resolve(None, 0) == (Pace.LOCKSTEP, 32)
     assert policy.resolve(Pace.SERVER, 1000) == (Pace.SERVER, 64)
+
+
+def test_a_link_that_does_not_take_a_verdict_holds_no_forward_back():
+    """The first Verdict's write hangs (a slow link, the prompt's rows): forwards go on up to
+    the lead, the Verdicts wait in the outbox and go out in order once the link takes them.
+    A session taken over by another stream gets no forward from this one."""
+    async def go():
+        committed, written, link_free, owned = [10], [], asyncio.Event(), [True]
+        inbox = Inbox(acked=10)
+
+        async def forward(draft, queued_at) -> Verdict:
+            committed[0] += 1
+            return Verdict(len(written), (), (1,), committed[0])
+
+        async def write(verdict: Verdict) -> None:
+            await link_free.wait()
+            written.append(verdict.committed_length)
+        outbox = Outbox(write)
+        loop = asyncio.create_task(run_paced(lambda: committed[0], lambda: not owned[0], inbox,
+                                             forward, outbox.put, Pace.SERVER, lead=4))
+        await asyncio.sleep(0.05)
+        ran_while_blocked = committed[0]
+        link_free.set()
+        await asyncio.sleep(0.05)
+        owned[0] = False  # a resume on another stream took the session
+        inbox.put(DraftRequest(1, 14, DraftTree((), ())), committed=14)
+        await asyncio.wait_for(loop, 1)
+        await outbox.flush()
+        return ran_while_blocked, committed[0], written
+    ran_while_blocked, final, written = asyncio.run(go())
+    assert ran_while_blocked == 14 and final == 14
+    assert written == [11, 12, 13, 14]
 
 
 def test_server_runs_at_most_lead_tokens_past_the_acknowledgement(tiny_server):

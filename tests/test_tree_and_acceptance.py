@@ -102,3 +102,23 @@ def test_verdict_parts_join_back_to_the_verdict():
     joined = wire.join_parts(parts)
     assert joined == verdict and np.array_equal(joined.activations.values, rows.values)
     assert wire.verdict_parts(verdict, max_bytes=1 << 20) == [verdict]
+
+
+def test_a_paced_verdicts_many_rows_trail_it_and_survive_the_wire():
+    import numpy as np
+
+    from shared import wire
+    from shared.messages import ActivationFormat, ActivationRows, FinishReason, Verdict
+
+    rows = ActivationRows(3, np.arange(40, dtype=np.float32).reshape(10, 4), ActivationFormat.FP16)
+    verdict = Verdict(2, (0,), (7, 8), 15, activations=rows, draft_id=4)
+    assert wire.trailing(verdict, inline_bytes=10 * 8, max_bytes=1 << 20) == [verdict]
+    head, *trail = wire.trailing(verdict, inline_bytes=10 * 8 - 1, max_bytes=4 * 8)
+    assert head == Verdict(2, (0,), (7, 8), 15, draft_id=4) and head.activations is None
+    assert [(r.start, len(r.values)) for r in trail] == [(3, 4), (7, 4), (11, 2)]
+    for part in trail:
+        back = wire.server_from_proto(wire.server_to_proto(part))
+        assert back == part and np.array_equal(back.values, part.values)
+    last = Verdict(2, (0,), (7, 8), 15, FinishReason.LENGTH, activations=rows)
+    assert wire.trailing(last, inline_bytes=0, max_bytes=1 << 20) == [
+        Verdict(2, (0,), (7, 8), 15, FinishReason.LENGTH)]

@@ -221,12 +221,14 @@ class Open(_message.Message):
     def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("session_id", "generated_ids")
+    __slots__ = ("session_id", "generated_ids", "rows_held")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATED_IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     generated_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., generated_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    rows_held: int
+    def __init__(self, session_id: _Optional[str] = ..., generated_ids: _Optional[_Iterable[int]] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("open", "drafter", "tree_nodes")
@@ -339,11 +341,13 @@ class Done(_message.Message):
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., generated_tokens: _Optional[int] = ..., rounds: _Optional[int] = ...) -> None: ...
 
 class ServerMessage(_message.Message):
-    __slots__ = ("opened", "verdict", "done")
+    __slots__ = ("opened", "verdict", "done", "activations")
     OPENED_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     opened: Opened
     verdict: Verdict
     done: Done
-    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+    activations: Activations
+    def __init__(self, opened: _Optional[_Union[Opened, _Mapping]] = ..., verdict: _Optional[_Union[Verdict, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ...) -> None: ...
