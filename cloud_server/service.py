@@ -267,8 +267,10 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                 return False
             await outbox.flush()
             await self._send(context, session.done())
-            await reader  # drafts still in flight are dropped until the client half-closes
-            return True
+            # Drafts still in flight are dropped until the client says Close. A stream that
+            # ends without it keeps the session for a resume: a link that went dark may have
+            # swallowed the last Verdicts, and its end can look like a clean half-close.
+            return await reader is _Ended.CLOSED
         finally:
             reader.cancel()
             outbox.cancel()

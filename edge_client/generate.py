@@ -23,7 +23,7 @@ from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
 from shared.draft_q import Proposal, point_masses
 from shared.messages import (
-    ActivationRows, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace, Resume, Verdict,
+    ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace, Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
@@ -159,6 +159,8 @@ class SplitGeneration:
                 await self._follow(stream)
             await _expect(stream, Done)
             with contextlib.suppress(LinkError):  # the answer is complete; a late drop is moot
+                if self._session.pace is not Pace.LOCKSTEP:  # received all: free the session
+                    await stream.send(CloseRequest())
                 await stream.finish()
         finally:
             stream.cancel()

@@ -3,6 +3,7 @@ the Generate baselines, each checked against plain greedy decoding on the tiny m
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -10,7 +11,8 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.messages import (
-    Done, Limits, DraftRequest, GenerateRequest, OpenRequest, Opened, Resume, Verdict,
+    CloseRequest, Done, Limits, DraftRequest, GenerateRequest, OpenRequest, Opened, Pace, Resume,
+    Verdict,
 )
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
@@ -166,3 +168,29 @@ def test_server_side_generation_refuses_an_unknown_drafter(isolated_server):
     request = GenerateRequest(OpenRequest(prompt_ids=PROMPT), "eagle-9")
     with pytest.raises(LinkError, match="unknown drafter"):
         asyncio.run(server_generate(isolated_server.address, request))
+
+
+@pytest.mark.parametrize("close", [False, True])
+def test_a_finished_paced_session_is_kept_until_the_client_says_close(isolated_server, close):
+    """A stream that ends after Done without Close may have lost the last Verdicts in a dark
+    link (whose end can look like a clean half-close): the session stays for a resume. A
+    Close says everything arrived, and frees it."""
+    async def go():
+        async with ServerLink(isolated_server.address) as link:
+            stream = link.decode()
+            request = OpenRequest(prompt_ids=PROMPT, max_new_tokens=MAX_NEW, pace=Pace.SERVER)
+            await stream.send(request)
+            opened, generated = await stream.recv(), []
+            while not isinstance(msg := await stream.recv(), Done):
+                generated += msg.tokens
+            if close:
+                await stream.send(CloseRequest())
+            await stream.finish()
+            await asyncio.sleep(0.2)
+            again = link.decode()
+            await again.send(replace(request, resume=Resume(opened.session_id,
+                                                            tuple(generated[:-1]))))
+            resumed = (await again.recv()).resumed
+            again.cancel()
+            return resumed
+    assert asyncio.run(go()) is not close
