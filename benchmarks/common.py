@@ -60,16 +60,36 @@ def placement(args: argparse.Namespace) -> str:
     return f"{', '.join(parts)} (one compute thread per core)"
 
 
-@contextlib.contextmanager
-def cloud_server(*args: str, cores: frozenset[int] | None = None) -> Iterator[str]:
+def cloud_server(*args: str, cores: frozenset[int] | None = None
+                 ) -> contextlib.AbstractContextManager[str]:
     """A `cloud-server --port 0` process for the duration, on `cores` (None: any); yields
     HOST:PORT."""
-    proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", "0", *args],
-                            stdout=subprocess.PIPE, text=True, **pinned(cores))
+    return _listening("cloud_server.cli", ["--port", "0", *args], cores)
+
+
+def netsim_proxy(target: str, profile: str, outages: Sequence[tuple[float, float]] = (),
+                 outage_mode: str | None = None, cores: frozenset[int] | None = None
+                 ) -> contextlib.AbstractContextManager[str]:
+    """A `netsim` proxy process to `target` under `profile`, with outages (start s, length s)
+    after it starts; yields HOST:PORT. A process of its own, not a thread in the client's:
+    there, every packet it releases would wait for the client's drafting to let go of the
+    interpreter lock, and a link does not slow down while the edge drafts."""
+    args = ["--target", target, "--profile", profile,
+            *(f"--outage={start:g}:{length:g}" for start, length in outages)]
+    return _listening("netsim.cli", args + (["--outage-mode", outage_mode] if outage_mode
+                                            else []), cores)
+
+
+@contextlib.contextmanager
+def _listening(module: str, args: list[str], cores: frozenset[int] | None) -> Iterator[str]:
+    """`python -m module args` on `cores` until the block ends; yields the HOST:PORT of the
+    `listening on HOST:PORT` line it prints first."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                            text=True, **pinned(cores))
     try:
         line = proc.stdout.readline().strip()
         if not line.startswith("listening on "):
-            raise RuntimeError(f"cloud-server did not start: {line!r}")
+            raise RuntimeError(f"{module} did not start: {line!r}")
         yield line.removeprefix("listening on ")
     finally:
         proc.send_signal(signal.SIGTERM)

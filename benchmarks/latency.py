@@ -5,8 +5,9 @@ prompt in turn through: (a) a plain streaming API (the server decodes token by t
 (b) server-side speculative decoding with the server's lookup drafter, (c) split decoding at each
 pace (lockstep, server, auto). Reports tokens/s, time to first token, p50/p95 inter-token
 latency, server calls and target forwards per generated token, wire bytes per token, the share
-of tokens the edge drafted, and for lockstep the link bound tau / (RTT + T_verify). Then a scripted outage on one profile: what it costs against the same
-generation without it. Writes a table, raw records and two PNGs.
+of tokens the edge drafted, and for lockstep the link bound tau / (RTT + T_verify). Then a
+scripted outage on one profile: what it costs against the same generation without it. Writes a
+table, raw records and two PNGs. The link is a netsim proxy process on the clients' cores.
 
     python -m benchmarks.latency --per-set 1 --max-new-tokens 64
 """
@@ -24,12 +25,12 @@ import numpy as np
 
 from shared import prompt_sets as prompts
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
-                               markdown_table, parse_cores, placement)
+                               markdown_table, netsim_proxy, parse_cores, placement)
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import GenerationResult, SilentListener
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from shared.messages import ChatMessage, OpenRequest, Pace
-from netsim import PROFILES, NetworkConditions, Outage, OutageMode, ProxyThread
+from netsim import PROFILES, NetworkConditions, OutageMode
 
 # split methods: (pace, --draft-ahead); the "-ahead" ones reach past the measured lag
 # (edge_client/following.py), the others draft from the newest committed token, the default
@@ -113,8 +114,8 @@ async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> d
 async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
     conditions = NetworkConditions.symmetric(PROFILES[profile])
     records = []
-    with ProxyThread(address, conditions) as proxy:
-        async with EdgeClient(proxy.address, ClientOptions(args.drafter, None,
+    with netsim_proxy(address, profile, cores=parse_cores(args.client_cores)) as proxy:
+        async with EdgeClient(proxy, ClientOptions(args.drafter, None,
                                                            args.max_new_tokens)) as client:
             # A fresh channel's first server stream arrives in bursts (seen here: 200 ms
             # apart, then smooth); one short run of each method first keeps that out.
@@ -179,12 +180,11 @@ async def outage_cost(address: str, item: dict, args, mode: OutageMode) -> dict:
     the outage cost, to set against its length plus one round."""
     request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                           max_new_tokens=args.max_new_tokens)
-    profile = PROFILES[args.outage_profile]
     runs = {}
-    for label, outages in (("clean", ()), ("outage", (Outage(2.0, args.outage_s),))):
-        conditions = NetworkConditions.symmetric(profile, outages=outages, outage_mode=mode)
-        with ProxyThread(address, conditions) as proxy:
-            async with EdgeClient(proxy.address, ClientOptions(args.drafter, None,
+    for label, outages in (("clean", ()), ("outage", ((2.0, args.outage_s),))):
+        with netsim_proxy(address, args.outage_profile, outages, mode.value,
+                          parse_cores(args.client_cores)) as proxy:
+            async with EdgeClient(proxy, ClientOptions(args.drafter, None,
                                                                args.max_new_tokens)) as client:
                 runs[label] = await run_method(client, "split-auto", request)
     clean, hit = runs["clean"], runs["outage"]

@@ -183,9 +183,11 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
                      else await self.batcher.run(session.prefilling(), session.id))
             await self._send(context, session.opened(resumed))
-            await self._send_verdict(context, session, first)
-            serve = self._serve_rounds if session.pace is Pace.LOCKSTEP else self._serve_paced
-            ended = await serve(session, context, owner)
+            if session.pace is Pace.LOCKSTEP:
+                await self._send(context, first)
+                ended = await self._serve_rounds(session, context, owner)
+            else:
+                ended = await self._serve_paced(session, context, owner, first)
         except SplitDecodingError:
             self.sessions.release(session, owner)
             raise
@@ -247,16 +249,19 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             raise OutOfOrder(f"session {session.id} is closed")
         return True
 
-    async def _serve_paced(self, session: Session, context, owner: object) -> bool:
-        """Forward after forward without waiting for the client (pacing.py), its drafts read
-        as they come; then Done. Returns as _serve_rounds does."""
+    async def _serve_paced(self, session: Session, context, owner: object,
+                           first: Verdict) -> bool:
+        """Sends `first` (the prefill's or a resume's Verdict), then runs forward after forward
+        without waiting for the client (pacing.py), its drafts read as they come; then Done.
+        Returns as _serve_rounds does."""
         inbox = Inbox(len(session.committed))
         own = ServerDecoder(session, own_drafter(self.pacing.drafter, self.limits), 0,
                             self.verify_costs, self._load)
         decoder = PacedDecoder(session, own, self.verify_costs)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox))
-        outbox = Outbox(lambda verdict: self._send_verdict(context, session, verdict))
+        outbox = Outbox(lambda verdict: self._send_paced(context, verdict))
         try:
+            await outbox.put(first)  # its rows can take the link a second: no forward waits
             await run_paced(lambda: len(session.committed),
                             lambda: session.finished or not self.sessions.owns(session, owner),
                             inbox, lambda draft, queued_at: self.batcher.run(
@@ -331,12 +336,10 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self.metrics.sent(msg, await _send_parts(context, msg,
                                                  self.limits.max_message_bytes // 2))
 
-    async def _send_verdict(self, context, session: Session, verdict: Verdict) -> None:
+    async def _send_paced(self, context, verdict: Verdict) -> None:
         """A paced session's Verdict goes before its activations when they are many (the
         prompt's): the client shows the tokens at once and the server runs on meanwhile. In
         lock-step the client drafts from the rows next, so they stay inside (`_send`)."""
-        if session.pace is Pace.LOCKSTEP:
-            return await self._send(context, verdict)
         for msg in wire.trailing(verdict, INLINE_ACTIVATION_BYTES,
                                  self.limits.max_message_bytes // 2):
             await self._send(context, msg)

@@ -316,3 +316,34 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
         again, rows = asyncio.run(go(server.address))
     assert rows[0].start == 0
     assert sum(len(r.values) for r in rows) >= len(prompt)  # and what the server ran ahead
+
+
+def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny_drafter_dir,
+                                                              monkeypatch):
+    """The prompt's rows fill the stream's flow-control window (a slow link does the same) and
+    the client has not read them yet: the server still runs its forwards, up to the lead."""
+    from cloud_server.paced_decoder import PacedDecoder
+
+    forwards: list[int] = []  # the committed length each forward started from
+    real = PacedDecoder.stepping
+    monkeypatch.setattr(PacedDecoder, "stepping", lambda self, *args: (
+        forwards.append(len(self.session.committed)), real(self, *args))[1])
+    prompt = tuple(40 + i % 60 for i in range(900))  # 900 fp16 rows of width 64: 115 KB
+    lead = 6
+    request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
+                          activations=ActivationFormat.FP16, lead=lead)
+
+    async def go(server: ServerThread) -> list[int]:
+        async with ServerLink(server.address) as link:
+            stream = link.decode()
+            await stream.send(request)
+            await asyncio.sleep(2.0)  # reading nothing
+            ran = list(forwards)
+            stream.cancel()
+            return ran
+    limits = replace(LIMITS, max_prompt_tokens=1000)
+    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+        assert len(prompt) * server.service.info().activation_width * 2 > 65536
+        ran = asyncio.run(go(server))
+    acknowledged = len(prompt) + 1  # the prefill's token counts as received
+    assert ran and ran[0] == acknowledged and ran[-1] < acknowledged + lead
