@@ -259,7 +259,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                             self.verify_costs, self._load)
         decoder = PacedDecoder(session, own, self.verify_costs)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox))
-        outbox = Outbox(lambda verdict: self._send_paced(context, verdict))
+        outbox = Outbox(lambda verdict: self._send_paced(context, session, verdict))
         try:
             await outbox.put(first)  # its rows can take the link a second: no forward waits
             await run_paced(lambda: len(session.committed),
@@ -336,10 +336,13 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self.metrics.sent(msg, await _send_parts(context, msg,
                                                  self.limits.max_message_bytes // 2))
 
-    async def _send_paced(self, context, verdict: Verdict) -> None:
+    async def _send_paced(self, context, session: Session, verdict: Verdict) -> None:
         """A paced session's Verdict goes before its activations when they are many (the
         prompt's): the client shows the tokens at once and the server runs on meanwhile. In
-        lock-step the client drafts from the rows next, so they stay inside (`_send`)."""
+        lock-step the client drafts from the rows next, so they stay inside (`_send`), as they
+        do for a client that does not read trailing rows."""
+        if not session.trailing_rows:
+            return await self._send(context, verdict)
         for msg in wire.trailing(verdict, INLINE_ACTIVATION_BYTES,
                                  self.limits.max_message_bytes // 2):
             await self._send(context, msg)

@@ -71,6 +71,7 @@ class Session:
         self._rows = np.zeros((0, 0), dtype=np.float16)  # [cached positions, width]
         self.pace = request.pace or Pace.LOCKSTEP  # resolved by the service's pacing policy
         self.lead = request.lead
+        self.trailing_rows = request.trailing_rows  # paced: rows may follow a Verdict
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache: DynamicCache | None = None

@@ -121,7 +121,8 @@ class EdgeClient:
             return await server_generate(self.link, request, self.options.mode, listener,
                                          self.options.server_drafter)
         if self._drafters.needs_activations:
-            request = replace(request, activations=self.options.activation_format)
+            request = replace(request, activations=self.options.activation_format,
+                              trailing_rows=True)
         async with self._drafters.checkout() as drafter:
             return await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,

@@ -23,7 +23,8 @@ from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
 from shared.draft_q import Proposal, point_masses
 from shared.messages import (
-    ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace, Resume, Verdict,
+    ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened,
+    Pace, Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
@@ -99,10 +100,12 @@ def fallback_tree(context: Sequence[int]) -> DraftTree:
     return DraftTree.chain([context[-1]])
 
 
-async def _expect(stream: DecodeStream, kind: type, timeout_s: float | None = None):
+async def _expect(stream: DecodeStream, kind: type | tuple[type, ...],
+                  timeout_s: float | None = None):
     msg = await stream.recv(timeout_s)
     if not isinstance(msg, kind):
-        raise LinkError(f"protocol error: expected {kind.__name__}, got {type(msg).__name__}")
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise LinkError(f"protocol error: expected {names}, got {type(msg).__name__}")
     return msg
 
 
@@ -247,13 +250,10 @@ class SplitGeneration:
         follower = DraftFollower(self.lag)
         await self._answer(stream, follower)
         while self.finish is FinishReason.NOT_FINISHED:
-            msg = await stream.recv()
-            if isinstance(msg, ActivationRows):  # the rows that trail a Verdict (wire.trailing)
-                self._add_rows(msg)
+            verdict = await _expect(stream, (Verdict, ActivationRows))
+            if isinstance(verdict, ActivationRows):  # rows that trail a Verdict (wire.trailing)
+                self._add_rows(verdict)
                 continue
-            if not isinstance(msg, Verdict):
-                raise LinkError(f"protocol error: expected Verdict, got {type(msg).__name__}")
-            verdict = msg
             self._learn(follower.verified(verdict, self.context), verdict)
             self.result.rounds += 1
             self.result.accepted_tokens += len(verdict.accepted_nodes)

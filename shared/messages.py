@@ -120,6 +120,7 @@ class OpenRequest:
     activations: ActivationFormat | None = None  # a drafter fed by the server half asks
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # tokens the server may run past the client's acknowledgement; 0: default
+    trailing_rows: bool = False  # the client reads rows that follow a paced Verdict (wire.py)
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,8 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
                        acceptance=_to_proto(ACCEPTANCE, msg.acceptance),
                        stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings,
                        activations=_to_proto(ACTIVATIONS, msg.activations),
-                       pace=_to_proto(PACE, msg.pace), lead=msg.lead)
+                       pace=_to_proto(PACE, msg.pace), lead=msg.lead,
+                       trailing_rows=msg.trailing_rows)
     if msg.chat is not None:
         open_msg.chat.messages.extend(
             pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -174,7 +175,8 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
                   stop_token_ids=tuple(msg.stop_token_ids), stop_strings=tuple(msg.stop_strings),
                   resume=_resume_from_proto(msg.resume) if msg.HasField("resume") else None,
                   activations=_from_proto(ACTIVATIONS, msg.activations),
-                  pace=_from_proto(PACE, msg.pace), lead=msg.lead)
+                  pace=_from_proto(PACE, msg.pace), lead=msg.lead,
+                  trailing_rows=msg.trailing_rows)
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),

@@ -292,7 +292,7 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
     monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
     prompt = tuple(range(40, 100))
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
-                          activations=ActivationFormat.FP16, lead=1)
+                          activations=ActivationFormat.FP16, lead=1, trailing_rows=True)
 
     async def go(address: str) -> tuple[Verdict, list[ActivationRows]]:
         async with ServerLink(address) as link:
@@ -331,7 +331,7 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
     prompt = tuple(40 + i % 60 for i in range(900))  # 900 fp16 rows of width 64: 115 KB
     lead = 6
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
-                          activations=ActivationFormat.FP16, lead=lead)
+                          activations=ActivationFormat.FP16, lead=lead, trailing_rows=True)
 
     async def go(server: ServerThread) -> list[int]:
         async with ServerLink(server.address) as link:
@@ -347,3 +347,26 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
         ran = asyncio.run(go(server))
     acknowledged = len(prompt) + 1  # the prefill's token counts as received
     assert ran and ran[0] == acknowledged and ran[-1] < acknowledged + lead
+
+
+def test_a_client_that_does_not_read_trailing_rows_gets_them_inside(tiny_target, tiny_drafter_dir,
+                                                                   monkeypatch):
+    """An Open without trailing_rows (a client older than them) gets a paced Verdict with its
+    rows inside, as in lock-step."""
+    from cloud_server import service
+
+    monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
+    prompt = tuple(range(40, 100))
+    request = OpenRequest(prompt_ids=prompt, max_new_tokens=4, pace=Pace.SERVER,
+                          activations=ActivationFormat.FP16)
+
+    async def go(address: str) -> list:
+        async with ServerLink(address) as link:
+            stream = link.decode()
+            await stream.send(request)
+            messages = [await stream.recv() for _ in range(3)]
+            stream.cancel()
+            return messages
+    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir) as server:
+        opened, first, second = asyncio.run(go(server.address))
+    assert len(first.activations.values) == len(prompt) and isinstance(second, Verdict)
