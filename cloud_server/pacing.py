@@ -133,13 +133,18 @@ LOADED_WAIT_STEPS = 4  # AutoPace under load: the longest wait for a client's an
 class AutoPace:
     """When to wait for the client's answer to the latest Verdict before the next forward.
 
-    A forward with a fresh client draft commits `gain_client` tokens on average, one without
-    `gain_server`. Waiting w for the draft pays when gain_client / (w + T) > gain_server / T,
-    i.e. w < T (gain_client / gain_server - 1), with T the step time. All four are measured
-    per session. The wait is capped at half a step: a wait that times out is pure loss, and
-    the estimates are noisy (measured here: with a cap of four steps, auto on `4g` fell below
-    lock-step, waiting for replies that came just too late). So auto behaves like lock-step
-    where the client answers within half a step (a LAN) and like server pace where it cannot.
+    A forward with a fresh client draft commits `gain_client` tokens on average in
+    `client_step_s`, one without `gain_server` in `step_s` (the merged tree of a fresh draft is
+    larger, and on a CPU server a larger tree costs clearly more). Waiting w for the draft pays
+    when gain_client / (w + client_step_s) > gain_server / step_s, i.e.
+    w < gain_client * step_s / gain_server - client_step_s. All six are measured per session;
+    a session waits for nothing before it has measured how long the client takes to answer.
+    (With one step time for both kinds of forward, auto on `wifi` waited for drafts that did
+    not pay: 1.08x the plain API against 1.12x at server pace.) The wait is capped at half a
+    step: a wait that times out is pure loss, and the estimates are noisy (measured here: with a
+    cap of four steps, auto on `4g` fell below lock-step, waiting for replies that came just too
+    late). So auto behaves like lock-step where the client answers in time and its drafts pay,
+    and like server pace where they cannot.
 
     Under load (other sessions' work on the model) a forward is the scarce resource: waiting
     costs the other sessions nothing, since the model runs their work meanwhile, and a forward
@@ -147,7 +152,8 @@ class AutoPace:
     within LOADED_WAIT_STEPS steps.
     """
 
-    step_s: float | None = None
+    step_s: float | None = None  # a forward without a fresh client draft
+    client_step_s: float | None = None  # a forward with one
     reply_s: float | None = None  # Verdict sent -> the client's answer to it arrives
     gain_client: float = 2.0
     gain_server: float = 1.2
@@ -155,7 +161,8 @@ class AutoPace:
 
     def allowance_s(self) -> float:
         step = self.step_s or 0.03
-        return min(step / 2, step * max(0.0, self.gain_client / self.gain_server - 1))
+        worth = self.gain_client * step / self.gain_server - (self.client_step_s or step)
+        return min(step / 2, max(0.0, worth))
 
     def wait_s(self, committed: int, now: float, busy: bool = False) -> float:
         """How long to wait now for the answer to the Verdict that made `committed`; `busy`:
@@ -164,8 +171,8 @@ class AutoPace:
         if busy and self.gain_client > self.gain_server:
             allowance = (self.step_s or 0.03) * LOADED_WAIT_STEPS
         sent = self._sent_at.get(committed)
-        if sent is None or self.reply_s is None:
-            return allowance
+        if sent is None or self.reply_s is None:  # no evidence the answer comes in time
+            return 0.0
         expected = max(0.0, sent + self.reply_s - now)
         return min(allowance, expected + allowance / 4) if expected <= allowance else 0.0
 
@@ -181,11 +188,12 @@ class AutoPace:
         self._sent_at = {n: t for n, t in self._sent_at.items() if n > acked}
 
     def forwarded(self, tokens: int, fresh: bool, step_s: float) -> None:
-        self.step_s = _ema(self.step_s, step_s)
         if fresh:
             self.gain_client = _ema(self.gain_client, tokens)
+            self.client_step_s = _ema(self.client_step_s, step_s)
         else:
             self.gain_server = max(1.0, _ema(self.gain_server, tokens))
+            self.step_s = _ema(self.step_s, step_s)
 
 
 Forward = Callable[[DraftRequest | None, float], Awaitable[Verdict]]
@@ -198,6 +206,8 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
     queued_at)` verifies a draft (None: the server's own candidates only) on the model;
     `busy()`: other sessions have work on the model (AutoPace waits longer then)."""
     auto = AutoPace() if pace is Pace.AUTO else None
+    if auto is not None:  # the prefill's Verdict, sent before the loop
+        auto.sent(committed(), time.monotonic())
     while not finished() and not inbox.closed:
         if not await inbox.wait(lambda: committed() - inbox.acked < lead, None):
             break

@@ -60,6 +60,26 @@ def test_auto_waits_for_a_reply_due_within_the_allowance_only():
     assert auto.wait_s(10, now=0.0) == 0.0
 
 
+def test_auto_weighs_the_larger_forward_a_client_draft_brings():
+    """A fresh draft commits 2.2 tokens against the server's own 1.4, but its merged tree makes
+    the forward 80 ms against 60: waiting pays for at most 2.2 * 60 / 1.4 - 80 = 14 ms, so a
+    reply due in 30 ms is not waited for (one step time for both would have allowed 30 ms)."""
+    auto = AutoPace(reply_s=0.03, gain_client=2.2, gain_server=1.4)
+    for _ in range(50):
+        auto.forwarded(tokens=2, fresh=True, step_s=0.08)
+        auto.forwarded(tokens=1, fresh=False, step_s=0.06)
+    auto.gain_client, auto.gain_server = 2.2, 1.4
+    assert auto.allowance_s() == pytest.approx(2.2 * 0.06 / 1.4 - 0.08, rel=1e-3)
+    auto.sent(10, now=0.0)
+    assert auto.wait_s(10, now=0.0) == 0.0
+
+
+def test_auto_waits_for_nothing_before_it_knows_the_reply_time():
+    auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2)
+    auto.sent(10, now=0.0)
+    assert auto.allowance_s() > 0 and auto.wait_s(10, now=0.0) == 0.0
+
+
 def test_under_load_auto_waits_longer_for_drafts_that_pay():
     auto = AutoPace(step_s=0.06, reply_s=0.1, gain_client=2.4, gain_server=1.2)
     auto.sent(10, now=0.0)
