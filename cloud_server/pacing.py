@@ -155,6 +155,7 @@ class AutoPace:
     step_s: float | None = None  # a forward without a fresh client draft
     client_step_s: float | None = None  # a forward with one
     reply_s: float | None = None  # Verdict sent -> the client's answer to it arrives
+    reply_spread_s: float = 0.0  # mean distance of a reply time from reply_s
     gain_client: float = 2.0
     gain_server: float = 1.2
     _sent_at: dict[int, float] = field(default_factory=dict)
@@ -173,8 +174,11 @@ class AutoPace:
         sent = self._sent_at.get(committed)
         if sent is None or self.reply_s is None:  # no evidence the answer comes in time
             return 0.0
-        expected = max(0.0, sent + self.reply_s - now)
-        return min(allowance, expected + allowance / 4) if expected <= allowance else 0.0
+        # An answer that comes within the allowance only on average is waited for in vain
+        # half the time (measured on `wifi`, answers at 30 ms +- 5 against a 30 ms allowance:
+        # auto 1.08x the plain API, server pace 1.17x): wait for one that comes reliably.
+        late = sent + self.reply_s + 2 * self.reply_spread_s - now
+        return max(0.0, late) if late <= allowance else 0.0
 
     def sent(self, committed: int, now: float) -> None:
         self._sent_at[committed] = now
@@ -184,6 +188,8 @@ class AutoPace:
         time to that Verdict and forgets the older ones."""
         sent = self._sent_at.get(acked)
         if sent is not None:
+            if self.reply_s is not None:
+                self.reply_spread_s = _ema(self.reply_spread_s, abs(at - sent - self.reply_s))
             self.reply_s = _ema(self.reply_s, at - sent)
         self._sent_at = {n: t for n, t in self._sent_at.items() if n > acked}
 

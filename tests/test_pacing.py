@@ -74,6 +74,19 @@ def test_auto_weighs_the_larger_forward_a_client_draft_brings():
     assert auto.wait_s(10, now=0.0) == 0.0
 
 
+@pytest.mark.parametrize("replies, waits", [((0.02, 0.02), True), ((0.022, 0.038), False)])
+def test_auto_waits_only_for_answers_that_come_in_time_reliably(replies, waits):
+    """Answers at 20 ms every time are worth a wait within a 30 ms allowance; answers at
+    30 ms on average, half of them late, are not."""
+    auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2)
+    for n in range(40):
+        auto.sent(n, now=float(n))
+        auto.answered(n, at=n + replies[n % 2])
+    auto.sent(40, now=40.0)
+    assert auto.allowance_s() == pytest.approx(0.03)
+    assert (auto.wait_s(40, now=40.0) > 0) is waits
+
+
 def test_auto_waits_for_nothing_before_it_knows_the_reply_time():
     auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2)
     auto.sent(10, now=0.0)
