@@ -138,9 +138,9 @@ class AutoPace:
     larger, and on a CPU server a larger tree costs clearly more). Waiting w for the draft pays
     when gain_client / (w + client_step_s) > gain_server / step_s, i.e.
     w < gain_client * step_s / gain_server - client_step_s. All six are measured per session;
-    a session waits for nothing before it has measured how long the client takes to answer.
-    (With one step time for both kinds of forward, auto on `wifi` waited for drafts that did
-    not pay: 1.08x the plain API against 1.12x at server pace.) The wait is capped at half a
+    a session waits for nothing before it has measured how long the client takes to answer
+    (before, it waited half a step a forward for the first round trip: 1.2 s on `satellite`),
+    and only for an answer that comes in time reliably (`wait_s`). The wait is capped at half a
     step: a wait that times out is pure loss, and the estimates are noisy (measured here: with a
     cap of four steps, auto on `4g` fell below lock-step, waiting for replies that came just too
     late). So auto behaves like lock-step where the client answers in time and its drafts pay,
