@@ -95,8 +95,8 @@ def test_ask_and_batch_against_real_server(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert "Paris" in proc.stdout
         assert "tau" in proc.stderr and "server calls" in proc.stderr
-        # The committed MoA drafter: bundle fetched from the server, activations on every
-        # Verdict; greedy, so the same answer.
+        # The committed MoA drafter: bundle fetched from the server, paced (auto) with the
+        # prompt's activation rows trailing the first Verdict; greedy, so the same answer.
         moa = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
                                      "--drafter", "moa", "What is the capital of France?"],
                              capture_output=True, text=True, timeout=300,
