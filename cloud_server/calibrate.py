@@ -16,6 +16,7 @@ from shared.tree import DraftTree
 
 PREFIX_TOKENS = 128
 BRANCHING = 4
+EACH_SIZE_UP_TO = 8
 
 
 def bushy_tree(n: int) -> DraftTree:
@@ -24,8 +25,11 @@ def bushy_tree(n: int) -> DraftTree:
 
 
 def tree_sizes(max_nodes: int) -> list[int]:
-    """1, 2, 4, ... up to max_nodes, and max_nodes itself."""
-    sizes = [1 << k for k in range(max_nodes.bit_length()) if 1 << k <= max_nodes]
+    """Every size up to EACH_SIZE_UP_TO, then 16, 32, ... up to max_nodes, and max_nodes
+    itself. A CPU kernel's cost steps at small row counts (oneDNN's register blocking,
+    cloud_server/cpu_kernels.py), which interpolating between powers of two would miss."""
+    sizes = [n for n in range(1, EACH_SIZE_UP_TO + 1) if n <= max_nodes]
+    sizes += [1 << k for k in range(4, max_nodes.bit_length()) if 1 << k <= max_nodes]
     return sizes if sizes[-1] == max_nodes else [*sizes, max_nodes]
 
 

@@ -61,8 +61,9 @@ def test_without_reported_costs_the_budget_still_works():
 def test_server_cost_curve_is_measured_and_monotone(tiny_target):
     from cloud_server.calibrate import measure_verify_costs, tree_sizes
 
-    assert tree_sizes(16) == [1, 2, 4, 8, 16] and tree_sizes(12) == [1, 2, 4, 8, 12]
+    assert tree_sizes(16) == [*range(1, 9), 16] and tree_sizes(12) == [*range(1, 9), 12]
+    assert tree_sizes(64) == [*range(1, 9), 16, 32, 64] and tree_sizes(5) == [1, 2, 3, 4, 5]
     costs = measure_verify_costs(tiny_target, 12, repeat=1)
-    assert [n for n, _ in costs] == [1, 2, 4, 8, 12]
+    assert [n for n, _ in costs] == tree_sizes(12)
     ms = [c for _, c in costs]
     assert all(0 < a <= b for a, b in zip(ms, ms[1:]))
