@@ -12,7 +12,7 @@ import functools
 import logging
 import time
 from dataclasses import replace
-from typing import AsyncIterator, Callable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -35,8 +35,8 @@ from shared.errors import (
     Forbidden, InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
 )
 from shared.messages import (
-    PROTOCOL_VERSION, CloseRequest, DraftRequest, Limits, OpenRequest, Pace, ServerInfo,
-    ServerMessage, Verdict,
+    PROTOCOL_VERSION, ActivationRows, CloseRequest, DraftRequest, Limits, OpenRequest, Pace,
+    ServerInfo, ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
@@ -47,6 +47,10 @@ CHUNK_BYTES = 256 * 1024
 # A paced Verdict carries its activations inside up to this size (a forward's few rows); more
 # (a prompt's) follow it. 16 KiB holds a token up for 64 ms on a 2 Mbit/s link.
 INLINE_ACTIVATION_BYTES = 16 * 1024
+# Rows a client that acknowledges them may have unacknowledged: half the client's 64 KB HTTP/2
+# window (edge_client/link.py), so a Verdict never waits for the window to reopen.
+ROWS_IN_FLIGHT_BYTES = 32 * 1024
+ROWS_PART_BYTES = 16 * 1024
 STATUS_OF = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
     OutOfOrder: grpc.StatusCode.FAILED_PRECONDITION,
@@ -258,8 +262,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         own = ServerDecoder(session, own_drafter(self.pacing.drafter, self.limits), 0,
                             self.verify_costs, self._load)
         decoder = PacedDecoder(session, own, self.verify_costs)
-        reader = asyncio.create_task(self._fill(session, context, owner, inbox))
-        outbox = Outbox(lambda verdict: self._send_paced(context, session, verdict))
+        outbox = self._outbox(context, session)
+        reader = asyncio.create_task(self._fill(session, context, owner, inbox, outbox))
         try:
             await outbox.put(first)  # its rows can take the link a second: no forward waits
             await run_paced(lambda: len(session.committed),
@@ -280,9 +284,11 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             reader.cancel()
             outbox.cancel()
 
-    async def _fill(self, session: Session, context, owner: object, inbox: Inbox) -> "_Ended":
-        """Reads the client's drafts into the inbox until it closes, the stream ends or another
-        stream takes the session over; drafts that arrive after the end are dropped."""
+    async def _fill(self, session: Session, context, owner: object, inbox: Inbox,
+                    outbox: Outbox) -> "_Ended":
+        """Reads the client's drafts into the inbox, and the rows it says it holds into the
+        outbox, until it closes, the stream ends or another stream takes the session over;
+        drafts that arrive after the end are dropped."""
         try:
             while True:
                 msg = await self._read(context)
@@ -295,6 +301,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                 if not session.finished:
                     self._check_draft(session, msg)
                     inbox.put(msg, len(session.committed))
+                    if msg.rows_held is not None:
+                        outbox.held(msg.rows_held)
         finally:
             inbox.close()
 
@@ -336,16 +344,21 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self.metrics.sent(msg, await _send_parts(context, msg,
                                                  self.limits.max_message_bytes // 2))
 
-    async def _send_paced(self, context, session: Session, verdict: Verdict) -> None:
+    def _outbox(self, context, session: Session) -> Outbox:
         """A paced session's Verdict goes before its activations when they are many (the
-        prompt's): the client shows the tokens at once and the server runs on meanwhile. In
-        lock-step the client drafts from the rows next, so they stay inside (`_send`), as they
-        do for a client that does not read trailing rows."""
+        prompt's): the client shows the tokens at once and the server runs on meanwhile. A
+        client that acknowledges rows gets them in small parts, a few in flight (pacing.py,
+        Outbox). In lock-step the client drafts from the rows next, so they stay inside
+        (`_send`), as they do for a client that does not read trailing rows."""
+        def send(msg: Verdict | ActivationRows) -> Awaitable[None]:
+            return self._send(context, msg)
         if not session.trailing_rows:
-            return await self._send(context, verdict)
-        for msg in wire.trailing(verdict, INLINE_ACTIVATION_BYTES,
-                                 self.limits.max_message_bytes // 2):
-            await self._send(context, msg)
+            return Outbox(send)
+        acked = session.acks_rows
+        largest = self.limits.max_message_bytes // 2
+        part = min(ROWS_PART_BYTES, largest) if acked else largest
+        return Outbox(send, lambda verdict: wire.trailing(verdict, INLINE_ACTIVATION_BYTES, part),
+                      ROWS_IN_FLIGHT_BYTES if acked else None)
 
     async def _read(self, context):
         """The next client message as a domain object; None at the end of the stream."""

@@ -72,6 +72,7 @@ class Session:
         self.pace = request.pace or Pace.LOCKSTEP  # resolved by the service's pacing policy
         self.lead = request.lead
         self.trailing_rows = request.trailing_rows  # paced: rows may follow a Verdict
+        self.acks_rows = request.trailing_rows and request.acks_rows  # ... and are acknowledged
         self.rounds = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache: DynamicCache | None = None

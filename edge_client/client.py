@@ -122,7 +122,7 @@ class EdgeClient:
                                          self.options.server_drafter)
         if self._drafters.needs_activations:
             request = replace(request, activations=self.options.activation_format,
-                              trailing_rows=True)
+                              trailing_rows=True, acks_rows=True)
         async with self._drafters.checkout() as drafter:
             return await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,

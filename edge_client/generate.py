@@ -253,6 +253,8 @@ class SplitGeneration:
             verdict = await _expect(stream, (Verdict, ActivationRows))
             if isinstance(verdict, ActivationRows):  # rows that trail a Verdict (wire.trailing)
                 self._add_rows(verdict)
+                if self.request.acks_rows:  # the server sends more as these are acknowledged
+                    await stream.send(follower.sent(self._acknowledgement()))
                 continue
             self._learn(follower.verified(verdict, self.context), verdict)
             self.result.rounds += 1
@@ -262,12 +264,17 @@ class SplitGeneration:
                 await self._answer(stream, follower)
 
     async def _answer(self, stream: DecodeStream, follower: "DraftFollower") -> None:
-        proposal = Proposal(DraftTree((), ()))  # an acknowledgement
+        draft = self._acknowledgement()
         if follower.due(self.context):
             proposal, _ = self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
-        await stream.send(follower.sent(DraftRequest(0, len(self.context), proposal.tree,
-                                                     proposal.q)))
+            draft = replace(draft, tree=proposal.tree, q=proposal.q)
+        await stream.send(follower.sent(draft))
+
+    def _acknowledgement(self) -> DraftRequest:
+        """A draft without nodes: the committed length and the rows the edge holds."""
+        return DraftRequest(0, len(self.context), DraftTree((), ()),
+                            rows_held=self.rows_held if self.request.acks_rows else None)
 
     def _learn(self, tree: DraftTree | None, verdict: Verdict) -> None:
         """What a paced Verdict teaches: `tree` is the edge's draft it verified, re-rooted at

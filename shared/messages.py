@@ -121,6 +121,7 @@ class OpenRequest:
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # tokens the server may run past the client's acknowledgement; 0: default
     trailing_rows: bool = False  # the client reads rows that follow a paced Verdict (wire.py)
+    acks_rows: bool = False  # ... and acknowledges them (DraftRequest.rows_held)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class DraftRequest:
     base_length: int
     tree: DraftTree
     q: tuple[NodeQ, ...] = ()  # acceptance sampled-drafts only
+    rows_held: int | None = None  # OpenRequest.acks_rows: activation rows the edge holds
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
                        stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings,
                        activations=_to_proto(ACTIVATIONS, msg.activations),
                        pace=_to_proto(PACE, msg.pace), lead=msg.lead,
-                       trailing_rows=msg.trailing_rows)
+                       trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows)
     if msg.chat is not None:
         open_msg.chat.messages.extend(
             pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -138,7 +138,7 @@ def draft_to_proto(msg: DraftRequest, graphs: bool) -> pb.Draft:
     return pb.Draft(round_id=msg.round_id, base_length=msg.base_length,
                     tokens=graph.tree.tokens, parents=graph.tree.parents,
                     q=[pb.DraftQ(node=q.node, tokens=q.tokens, probs=q.probs) for q in msg.q],
-                    alias_nodes=aliases[0], alias_targets=aliases[1])
+                    alias_nodes=aliases[0], alias_targets=aliases[1], rows_held=msg.rows_held)
 
 
 def client_from_proto(msg: pb.ClientMessage, max_tree_nodes: int) -> ClientMessage:
@@ -149,7 +149,8 @@ def client_from_proto(msg: pb.ClientMessage, max_tree_nodes: int) -> ClientMessa
     if kind == "draft":
         d = msg.draft
         q = tuple(NodeQ(q.node, tuple(q.tokens), tuple(q.probs)) for q in d.q)
-        return DraftRequest(d.round_id, d.base_length, _unrolled(d, bool(q), max_tree_nodes), q)
+        return DraftRequest(d.round_id, d.base_length, _unrolled(d, bool(q), max_tree_nodes), q,
+                            d.rows_held if d.HasField("rows_held") else None)
     if kind == "close":
         return CloseRequest()
     raise InvalidRequest("client message has no open, draft or close")
@@ -176,7 +177,7 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
                   resume=_resume_from_proto(msg.resume) if msg.HasField("resume") else None,
                   activations=_from_proto(ACTIVATIONS, msg.activations),
                   pace=_from_proto(PACE, msg.pace), lead=msg.lead,
-                  trailing_rows=msg.trailing_rows)
+                  trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows)
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
@@ -236,7 +237,7 @@ def verdict_parts(verdict: Verdict, max_bytes: int) -> list[Verdict]:
     rows = verdict.activations
     if rows is None:
         return [verdict]
-    per_part = max(1, max_bytes // _row_bytes(rows))
+    per_part = max(1, max_bytes // row_bytes(rows))
     n = len(rows.values)
     if n <= per_part:
         return [verdict]
@@ -253,12 +254,12 @@ def trailing(verdict: Verdict, inline_bytes: int, max_bytes: int) -> list[Verdic
     `max_bytes` each, so that its tokens do not queue behind them on the link. A Verdict that
     ends the generation goes alone: nobody drafts past it."""
     rows = verdict.activations
-    if rows is None or _row_bytes(rows) * len(rows.values) <= inline_bytes:
+    if rows is None or rows_bytes(rows) <= inline_bytes:
         return [verdict]
     head = replace(verdict, activations=None)
     if verdict.finish_reason is not FinishReason.NOT_FINISHED:
         return [head]
-    per_part = max(1, max_bytes // _row_bytes(rows))
+    per_part = max(1, max_bytes // row_bytes(rows))
     return [head, *(_slice(rows, a, a + per_part) for a in range(0, len(rows.values), per_part))]
 
 
@@ -272,9 +273,14 @@ def join_parts(parts: list[Verdict]) -> Verdict:
     return replace(last, activations=ActivationRows(rows[0].start, values, rows[0].format))
 
 
-def _row_bytes(rows: ActivationRows) -> int:
+def row_bytes(rows: ActivationRows) -> int:
+    """What one of `rows` takes on the wire."""
     width = rows.values.shape[1]
     return width + 2 if rows.format is ActivationFormat.INT8 else 2 * width
+
+
+def rows_bytes(rows: ActivationRows) -> int:
+    return row_bytes(rows) * len(rows.values)
 
 
 def _slice(rows: ActivationRows, start: int, end: int) -> ActivationRows:

@@ -252,16 +252,23 @@ def _recording_trailing(monkeypatch) -> list[list]:
     return sent
 
 
-@pytest.mark.parametrize("pace", [Pace.SERVER, Pace.AUTO])
+@pytest.mark.parametrize("pace, in_flight", [(Pace.SERVER, 32 * 1024), (Pace.AUTO, 32 * 1024),
+                                             (Pace.SERVER, 1024)])
 def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter_dir, pace,
-                                                       tmp_path, monkeypatch):
+                                                       in_flight, tmp_path, monkeypatch):
     """A paced session sends the prompt's many activation rows after the prefill's Verdict, in
     messages within the message limit, so its first token does not queue behind them on the
-    link; the edge's drafter gets every row, in order, and the text is exact."""
-    from cloud_server import service
+    link; the edge's drafter gets every row, in order, and the text is exact. The edge
+    acknowledges the rows it holds; with 1 KiB in flight each part waits for that."""
+    from cloud_server import pacing, service
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
+    monkeypatch.setattr(service, "ROWS_IN_FLIGHT_BYTES", in_flight)
+    acknowledged: list[int] = []
+    real_held = pacing.Outbox.held
+    monkeypatch.setattr(pacing.Outbox, "held", lambda self, rows: (
+        acknowledged.append(rows), real_held(self, rows))[-1])
     sent = _recording_trailing(monkeypatch)
     added: list[tuple[int, int]] = []  # (start, rows) as the edge's drafter got them
     real_add = MoaDrafter.add_activations
@@ -279,6 +286,7 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
     assert [r.start for r in rows] == list(np.cumsum([0] + [len(r.values) for r in rows[:-1]]))
     assert sum(len(r.values) for r in rows) == len(prompt)
     assert added[: len(rows)] == [(r.start, len(r.values)) for r in rows]
+    assert len(prompt) in acknowledged
     assert compare(tiny_target, prompt, result.output_ids,
                    plain_greedy(tiny_target, prompt, MAX_NEW)).lossless
 

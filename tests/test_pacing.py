@@ -8,11 +8,13 @@ import queue
 import threading
 
 import grpc
+import numpy as np
 import pytest
 
 from cloud_server.pacing import AutoPace, Inbox, Outbox, PacingPolicy, run_paced
+from shared import wire
 from shared.errors import OutOfOrder
-from shared.messages import DraftRequest, Pace, Verdict
+from shared.messages import ActivationRows, DraftRequest, FinishReason, Pace, Verdict
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 from shared.tree import DraftTree
@@ -150,6 +152,64 @@ def test_a_link_that_does_not_take_a_verdict_holds_no_forward_back():
     ran_while_blocked, final, written = asyncio.run(go())
     assert ran_while_blocked == 14 and final == 14
     assert written == [11, 12, 13, 14]
+
+
+def _rows(start: int, n: int) -> ActivationRows:
+    return ActivationRows(start, np.full((n, 4), start, dtype=np.float16))  # 8 bytes a row
+
+
+def test_verdicts_go_before_rows_the_client_has_not_acknowledged():
+    """Rows go out in parts while at most `rows_in_flight` bytes of them are unacknowledged; a
+    Verdict goes before the rows still waiting, its own rows join them, and rows arrive in
+    order. A Verdict that ends the generation takes no rows, and flush drops those waiting."""
+    async def go():
+        written: list = []
+
+        async def write(msg) -> None:
+            written.append(msg)
+        outbox = Outbox(write, lambda verdict: wire.trailing(verdict, 16, 10 * 8), 20 * 8)
+
+        async def settled() -> list:
+            await asyncio.sleep(0.01)
+            got = list(written)
+            written.clear()
+            return [(type(m).__name__, m.start if isinstance(m, ActivationRows)
+                     else m.committed_length) for m in got]
+        await outbox.put(Verdict(0, (), (5,), 50, activations=_rows(0, 49)))
+        steps = [await settled()]
+        await outbox.put(Verdict(1, (), (6,), 51, activations=_rows(49, 1)))
+        steps.append(await settled())
+        outbox.held(20)
+        steps.append(await settled())
+        outbox.held(40)
+        steps.append(await settled())
+        await outbox.put(Verdict(2, (), (7,), 52, FinishReason.LENGTH, activations=_rows(50, 1)))
+        await outbox.flush()
+        steps.append(await settled())
+        return steps
+    steps = asyncio.run(go())
+    assert steps[0] == [("Verdict", 50), ("ActivationRows", 0), ("ActivationRows", 10)]
+    assert steps[1] == [("Verdict", 51)]  # before rows 20..49, which wait for the client
+    assert steps[2] == [("ActivationRows", 20), ("ActivationRows", 30)]
+    assert steps[3] == [("ActivationRows", 40), ("ActivationRows", 49)]  # 49: Verdict 51's
+    assert steps[4] == [("Verdict", 52)]
+
+
+def test_without_acknowledgements_rows_follow_their_verdict_at_once():
+    """A client that does not acknowledge rows gets them all as soon as the link takes them."""
+    async def go():
+        written: list = []
+
+        async def write(msg) -> None:
+            written.append(msg)
+        outbox = Outbox(write, lambda verdict: wire.trailing(verdict, 16, 10 * 8))
+        await outbox.put(Verdict(0, (), (5,), 50, activations=_rows(0, 49)))
+        await asyncio.sleep(0.01)
+        await outbox.put(Verdict(1, (), (6,), 51, activations=_rows(49, 1)))
+        await outbox.flush()
+        return [m.start if isinstance(m, ActivationRows) else -m.committed_length
+                for m in written]
+    assert asyncio.run(go()) == [-50, 0, 10, 20, 30, 40, -51]
 
 
 def test_server_runs_at_most_lead_tokens_past_the_acknowledgement(tiny_server):

@@ -195,7 +195,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations", "pace", "lead", "trailing_rows")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations", "pace", "lead", "trailing_rows", "acks_rows")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -208,6 +208,7 @@ class Open(_message.Message):
     PACE_FIELD_NUMBER: _ClassVar[int]
     LEAD_FIELD_NUMBER: _ClassVar[int]
     TRAILING_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ACKS_ROWS_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
@@ -220,7 +221,8 @@ class Open(_message.Message):
     pace: Pace
     lead: int
     trailing_rows: bool
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ..., trailing_rows: _Optional[bool] = ...) -> None: ...
+    acks_rows: bool
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ..., trailing_rows: _Optional[bool] = ..., acks_rows: _Optional[bool] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("session_id", "generated_ids", "rows_held")
@@ -243,7 +245,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., drafter: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("round_id", "base_length", "tokens", "parents", "q", "alias_nodes", "alias_targets")
+    __slots__ = ("round_id", "base_length", "tokens", "parents", "q", "alias_nodes", "alias_targets", "rows_held")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +253,7 @@ class Draft(_message.Message):
     Q_FIELD_NUMBER: _ClassVar[int]
     ALIAS_NODES_FIELD_NUMBER: _ClassVar[int]
     ALIAS_TARGETS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     base_length: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -258,7 +261,8 @@ class Draft(_message.Message):
     q: _containers.RepeatedCompositeFieldContainer[DraftQ]
     alias_nodes: _containers.RepeatedScalarFieldContainer[int]
     alias_targets: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ..., alias_nodes: _Optional[_Iterable[int]] = ..., alias_targets: _Optional[_Iterable[int]] = ...) -> None: ...
+    rows_held: int
+    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ..., alias_nodes: _Optional[_Iterable[int]] = ..., alias_targets: _Optional[_Iterable[int]] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class DraftQ(_message.Message):
     __slots__ = ("node", "tokens", "probs")
