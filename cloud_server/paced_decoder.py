@@ -31,7 +31,13 @@ class PacedDecoder:
         # they are accepted, and on a CPU server a tree costs clearly more than one token.
         self._budget = TreeBudget(verify_costs, session.limits.max_tree_nodes)
 
-    def stepping(self, draft: DraftRequest | None, queued_at: float) -> Work[Verdict]:
+    def stepping(self, draft: DraftRequest | None, queued_at: float, epoch: int
+                 ) -> Work[Verdict | None]:
+        """One forward; None, and no forward, when a resume took the session over after this
+        work was handed in under `epoch` (the check runs on the model thread, in the same call
+        as the forward, so a catch-up never misses what it commits)."""
+        if self.session.epoch != epoch:
+            return None
         start = time.perf_counter()
         context = list(self.session.committed)
         client = (None if draft is None

@@ -262,7 +262,8 @@ class AutoPace:
             self.step_s = _ema(self.step_s, step_s)
 
 
-Forward = Callable[[DraftRequest | None, float], Awaitable[Verdict]]
+# None: the session was taken over before the forward could run
+Forward = Callable[[DraftRequest | None, float], Awaitable[Verdict | None]]
 
 
 async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
@@ -289,6 +290,8 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
             break
         was_fresh, start = fresh(), time.perf_counter()
         verdict = await forward(inbox.draft, start)
+        if verdict is None:
+            break
         inbox.used(verdict.draft_id)
         if auto is not None:
             auto.forwarded(len(verdict.tokens), was_fresh and verdict.draft_id > 0,

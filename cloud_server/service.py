@@ -144,6 +144,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         self.sessions = SessionTable(limits, kv_budget_bytes=kv_budget_bytes)
         self._model_thread = model_thread
         self._reaper: asyncio.Task | None = None
+        self._alone: set[asyncio.Task] = set()  # sessions going on after their stream broke
         self.metrics = Metrics()
         self.metrics.sessions_open.set_function(lambda: len(self.sessions))
         self.batcher = Batcher(model_thread, target, batch_tokens, self.metrics.forwarded)
@@ -262,6 +263,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         own = ServerDecoder(session, own_drafter(self.pacing.drafter, self.limits), 0,
                             self.verify_costs, self._load)
         decoder = PacedDecoder(session, own, self.verify_costs)
+        epoch = session.epoch
         outbox = self._outbox(context, session)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox, outbox))
         try:
@@ -269,10 +271,11 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             await run_paced(lambda: len(session.committed),
                             lambda: session.finished or not self.sessions.owns(session, owner),
                             inbox, lambda draft, queued_at: self.batcher.run(
-                                decoder.stepping(draft, queued_at), session.id),
+                                decoder.stepping(draft, queued_at, epoch), session.id),
                             outbox.put, session.pace, session.lead,
                             lambda: self.pacing.load_wait and self.batcher.pending > 0)
             if not session.finished and await reader is _Ended.GONE:
+                self._go_on_alone(session, decoder, inbox.acked, epoch)
                 return False
             await outbox.flush()
             await self._send(context, session.done())
@@ -280,9 +283,37 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             # ends without it keeps the session for a resume: a link that went dark may have
             # swallowed the last Verdicts, and its end can look like a clean half-close.
             return await reader is _Ended.CLOSED
+        except SplitDecodingError:
+            raise
+        except BaseException:  # the stream broke
+            self._go_on_alone(session, decoder, inbox.acked, epoch)
+            raise
         finally:
             reader.cancel()
             outbox.cancel()
+
+    def _go_on_alone(self, session: Session, decoder: PacedDecoder, acked: int,
+                     epoch: int) -> None:
+        """The stream broke mid-generation: the session goes on committing up to its lead
+        past what the edge acknowledged, as it does when the link goes dark without breaking,
+        so a resume finds the tokens ready instead of the outage's worth of forwards still to
+        run. It stops at the lead, at the end, or when a resume takes the session over."""
+        async def go_on() -> None:
+            while (not session.finished and len(session.committed) - acked < session.lead
+                   and session.epoch == epoch and self.sessions.owns(session, None)):
+                work = decoder.stepping(None, time.perf_counter(), epoch)
+                if await self.batcher.run(work) is None:  # no key: nobody to gather it for
+                    break
+        if session.finished:
+            return
+        task = asyncio.get_running_loop().create_task(go_on())
+        self._alone.add(task)
+        task.add_done_callback(self._alone_done)
+
+    def _alone_done(self, task: asyncio.Task) -> None:
+        self._alone.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a detached session stopped: %s", task.exception())
 
     async def _fill(self, session: Session, context, owner: object, inbox: Inbox,
                     outbox: Outbox) -> "_Ended":
@@ -391,4 +422,6 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     def shutdown(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        for task in list(self._alone):
+            task.cancel()
         self._model_thread.shutdown()

@@ -74,6 +74,9 @@ class Session:
         self.trailing_rows = request.trailing_rows  # paced: rows may follow a Verdict
         self.acks_rows = request.trailing_rows and request.acks_rows  # ... and are acknowledged
         self.rounds = 0
+        # Raised by each takeover (a resume): paced work handed in under an older epoch runs
+        # no forward (PacedDecoder.stepping), so nothing is committed behind a catch-up.
+        self.epoch = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache: DynamicCache | None = None
         self._successors: tuple[int, SuccessorsHook] | None = None

@@ -84,6 +84,7 @@ class SessionTable:
         if entry.caller != caller:
             raise Forbidden(f"session {session_id} was opened by another client")
         entry.owner, entry.active_at = owner, self._clock()
+        entry.session.epoch += 1
         return entry.session
 
     def owns(self, session: Session, owner: object) -> bool:

@@ -72,6 +72,7 @@ def test_speculation_is_kept_only_when_it_came_true():
 class FakeSession:
     def __init__(self, sid: str):
         self.id = sid
+        self.epoch = 0
 
 
 def test_session_table_holds_orphans_for_the_idle_timeout_then_evicts():
@@ -85,6 +86,7 @@ def test_session_table_holds_orphans_for_the_idle_timeout_then_evicts():
         table.reserve()
     table.detach(a, first)
     assert table.take_over("a", second) is a  # a resume takes the orphan
+    assert a.epoch == 1  # work the old stream handed in runs no forward now
     assert not table.owns(a, first) and table.owns(a, second)
     table.release(a, first)  # the old stream ending late changes nothing
     assert "a" in table

@@ -90,6 +90,28 @@ def test_a_forward_without_a_client_draft_credits_the_client_with_nothing(tiny_t
     session.prefill()
     verdicts = []
     while not session.finished:
-        verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter())))
+        verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter(), 0)))
     assert sum(len(v.tokens) for v in verdicts) > len(verdicts)  # lookups were accepted
     assert all(v.accepted_nodes == () for v in verdicts)
+
+
+def test_work_handed_in_before_a_takeover_runs_no_forward(tiny_target):
+    """A resume raised the session's epoch after a forward was handed in: that forward does
+    not run, so nothing is committed behind the resume's catch-up."""
+    import time
+
+    from cloud_server.paced_decoder import PacedDecoder
+    from cloud_server.server_decoding import ServerDecoder
+    from cloud_server.session import Session
+    from shared.messages import Limits, OpenRequest
+
+    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(PROMPTS[0]),
+                                                         max_new_tokens=MAX_NEW))
+    decoder = PacedDecoder(session, ServerDecoder(session, None, 0, ()), ())
+    session.prefill()
+    committed = list(session.committed)
+    work = decoder.stepping(None, time.perf_counter(), session.epoch)
+    session.epoch += 1  # what SessionTable.take_over does
+    assert tiny_target.drive(work) is None and session.committed == committed
+    assert tiny_target.drive(decoder.stepping(None, time.perf_counter(), session.epoch))
+    assert len(session.committed) > len(committed)

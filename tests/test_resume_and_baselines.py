@@ -3,6 +3,7 @@ the Generate baselines, each checked against plain greedy decoding on the tiny m
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 
 import pytest
@@ -194,3 +195,53 @@ def test_a_finished_paced_session_is_kept_until_the_client_says_close(isolated_s
             again.cancel()
             return resumed
     assert asyncio.run(go()) is not close
+
+
+@pytest.mark.parametrize("lead", [8, 64])
+def test_a_broken_paced_stream_leaves_its_session_running_to_the_lead(isolated_server,
+                                                                     tiny_target, lead,
+                                                                     monkeypatch):
+    """The stream breaks right after the first Verdict (a cut link), long before the lead: the
+    session goes on committing, up to the lead past what the edge acknowledged or to the end,
+    so the resume gets those tokens at once instead of running the outage's forwards after it.
+    The text stays exact."""
+    from cloud_server.paced_decoder import PacedDecoder
+
+    real = PacedDecoder.stepping
+
+    def slow(self, *args):  # 20 ms a forward: the cut comes long before the lead
+        time.sleep(0.02)
+        return (yield from real(self, *args))
+    monkeypatch.setattr(PacedDecoder, "stepping", slow)
+
+    async def go() -> tuple[Verdict, list[int]]:
+        async with ServerLink(isolated_server.address) as link:
+            stream = link.decode()
+            request = OpenRequest(prompt_ids=PROMPT, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
+                                  lead=lead)
+            await stream.send(request)
+            opened, first = await stream.recv(), await stream.recv()
+            stream.cancel()
+            await asyncio.sleep(1.5)
+            again = link.decode()
+            await again.send(replace(request, resume=Resume(opened.session_id,
+                                                            tuple(first.tokens))))
+            assert (await again.recv()).resumed
+            caught_up = await again.recv()
+            generated = list(first.tokens) + list(caught_up.tokens)
+            acks = 0
+            while not isinstance(msg := await again.recv(), Done):
+                generated += msg.tokens
+                acks += 1
+                await again.send(DraftRequest(acks, len(PROMPT) + len(generated),
+                                              DraftTree((), ())))
+            await again.send(CloseRequest())
+            await again.finish()
+            return caught_up, generated
+    caught_up, generated = asyncio.run(go())
+    if lead < MAX_NEW:
+        assert len(caught_up.tokens) >= lead
+    else:
+        assert caught_up.finish_reason.value != 0 and len(generated) == MAX_NEW
+    assert compare(tiny_target, PROMPT, generated, plain_greedy(tiny_target, PROMPT, MAX_NEW)
+                   ).lossless
