@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
 from shared import wire
-
 from shared.drafting.base import DrafterName
 from shared.errors import OutOfOrder
 from shared.messages import ActivationRows, DraftRequest, FinishReason, Pace, Verdict
