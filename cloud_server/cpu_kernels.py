@@ -36,8 +36,7 @@ def _packed_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = x.shape[:-1].numel()
     if rows == 0 or rows >= MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-    padded = torch.zeros(MIN_ROWS, x.shape[-1], dtype=x.dtype)
-    padded[:rows] = x.reshape(rows, -1)
+    padded = F.pad(x.reshape(rows, -1), (0, 0, 0, MIN_ROWS - rows))
     out = torch.ops.mkldnn._linear_pointwise(padded, self.packed_weight, self.bias, "none", [], "")
     return out[:rows].reshape(*x.shape[:-1], -1)
 

@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 from shared import wire
 from shared.drafting.base import DrafterName
 from shared.errors import OutOfOrder
-from shared.messages import ActivationRows, DraftRequest, FinishReason, Pace, Verdict
+from shared.messages import ActivationRows, DraftRequest, Pace, Verdict
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,9 @@ class Outbox:
     that much on the link. Without it, a prompt's rows filled the client's 64 KB HTTP/2 window
     (edge_client/link.py) and the Verdicts behind them waited a round trip for the window to
     reopen: on `satellite` tokens 2-24 came 0.6 s late. While rows wait, a later Verdict's rows
-    join the backlog behind them, so rows still arrive in order; a Verdict that ends the
-    generation takes no rows, and `flush` drops those still waiting: nobody drafts past the end.
+    join the backlog behind them, so rows still arrive in order; `flush` drops the rows still
+    waiting at the end (and wire.trailing cuts a last Verdict's many rows): nobody drafts past
+    the end.
     """
 
     def __init__(self, write: Callable[[Verdict | ActivationRows], Awaitable[None]],
@@ -128,16 +129,12 @@ class Outbox:
     async def put(self, verdict: Verdict) -> None:
         if self._task.done():  # the writer stopped: raise what stopped it (a broken stream)
             await self._task
-        if self._rows and verdict.activations is not None:  # behind the waiting rows
-            rows = verdict.activations
-            verdict = replace(verdict, activations=None)
-            if verdict.finish_reason is FinishReason.NOT_FINISHED:
-                self._rows.extend(self._parts(replace(verdict, activations=rows))[1:] or [rows])
-        else:
-            head, *rows_parts = self._parts(verdict)
-            verdict = head
-            self._rows.extend(rows_parts)
-        self._verdicts.append(verdict)
+        head, *rows = self._parts(verdict)
+        if self._rows and head.activations is not None:  # behind the waiting rows, in order
+            rows.insert(0, head.activations)
+            head = replace(head, activations=None)
+        self._rows.extend(rows)
+        self._verdicts.append(head)
         self._wake.set()
 
     def held(self, rows: int) -> None:
