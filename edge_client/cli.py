@@ -55,7 +55,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default): off")
-    p.add_argument("--seed", type=int, default=None, help="makes a sampled answer reproducible")
+    p.add_argument("--seed", type=int, default=None,
+                   help="makes a sampled answer reproducible (README, Sampling: which rules "
+                        "replay from which drafts)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end the answer with the token that completes STRING (repeatable)")
     p.add_argument("--acceptance", choices=[m.value for m in AcceptanceMode], default=None,

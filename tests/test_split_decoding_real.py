@@ -51,19 +51,28 @@ def test_real_model_split_equals_plain(real_target, drafter):
 
 def test_real_model_seeded_sampling_replays_and_races_ignore_the_drafter(real_target):
     from shared.acceptance import AcceptanceMode
+    from shared.messages import Pace
     from shared.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     chat = (ChatMessage("user", "Write a short poem about the sea."),)
 
-    async def go(drafter: str, mode: AcceptanceMode):
-        options = ClientOptions(drafter, None, 32, sampling, mode)
+    async def go(options: ClientOptions):
         async with EdgeClient(server.address, options) as client:
             return (await client.generate(options.open_request(chat=chat))).output_ids
 
+    def race_options(drafter: str) -> ClientOptions:
+        """Trees sized from measured timings and paced: drafts differ from run to run."""
+        return ClientOptions(drafter, None, 32, sampling, AcceptanceMode.EXPONENTIAL_RACE,
+                             pace=Pace.AUTO)
+
+    # topk-drafts' text depends on what was drafted, so it replays only with the same trees:
+    # a fixed size, one forward per draft.
+    topk_options = ClientOptions("aded", 8, 32, sampling, AcceptanceMode.TOPK_DRAFTS,
+                                 pace=Pace.LOCKSTEP)
     with ServerThread(real_target) as server:
-        race = [asyncio.run(go(d, AcceptanceMode.EXPONENTIAL_RACE)) for d in ("pld", "aded")]
-        topk = [asyncio.run(go("aded", AcceptanceMode.TOPK_DRAFTS)) for _ in range(2)]
+        race = [asyncio.run(go(race_options(d))) for d in ("pld", "aded")]
+        topk = [asyncio.run(go(topk_options)) for _ in range(2)]
     assert race[0] == race[1] and len(race[0]) > 0
     assert topk[0] == topk[1]
 
