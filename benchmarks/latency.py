@@ -152,6 +152,7 @@ def summarize(records: list[dict]) -> list[dict]:
                    "calls_per_token": sum(r["server_calls"] for r in group) / tokens,
                    "forwards_per_token": sum(r["forwards"] for r in group) / tokens,
                    "bytes_per_token": sum(r["bytes"] for r in group) / tokens,
+                   "draft_ms_per_token": sum(r["draft_ms"] for r in group) / tokens,
                    "link_bound": None, "identical": _identical(records, profile, method),
                    "client_share": (sum(r["accepted_tokens"] for r in group) / tokens
                                     if method in SPLIT_PACES else None)}
@@ -202,14 +203,14 @@ def render(rows: list[dict]) -> str:
              fmt(r["vs_plain_api"], ".2f") + "x", fmt(r["ttft_ms"], ".0f"),
              fmt(r["itl_p50_ms"], ".0f"), fmt(r["itl_p95_ms"], ".0f"),
              fmt(r["calls_per_token"], ".3f"), fmt(r["forwards_per_token"], ".2f"),
-             fmt(r["bytes_per_token"], ".0f"),
+             fmt(r["bytes_per_token"], ".0f"), fmt(r["draft_ms_per_token"], ".1f"),
              "-" if r["client_share"] is None else f"{r['client_share']:.0%}",
              fmt(r["link_bound"], ".1f") if r["link_bound"] is None
              else f"{r['link_bound']:.1f} ({r['tokens_per_s'] / r['link_bound']:.0%})",
              r["identical"]) for r in rows]
     return markdown_table(("link", "RTT ms", "method", "tok/s", "vs plain API", "TTFT ms",
                            "ITL p50 ms", "ITL p95 ms", "calls/token", "target fwd/token",
-                           "bytes/token", "client-drafted", "lockstep link bound tok/s "
+                           "bytes/token", "edge drafting ms/token", "client-drafted", "lockstep link bound tok/s "
                            "(reached)", "same text"), body)
 
 

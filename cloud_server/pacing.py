@@ -104,14 +104,16 @@ class Outbox:
 
     `parts` cuts a Verdict into what goes out: the Verdict, then the rows that trail it
     (wire.trailing). With `rows_in_flight` (bytes; the client acknowledges the rows it holds,
-    `held`), trailing rows wait in a backlog and go out while fewer than that many bytes of rows
-    are unacknowledged, and every Verdict goes before them: a Verdict then queues behind at most
-    that much on the link. Without it, a prompt's rows filled the client's 64 KB HTTP/2 window
+    `held`), rows go out while fewer than that many bytes of them are unacknowledged, and every
+    Verdict goes before the rows waiting: a Verdict then queues behind at most that much on the
+    link. Without it, a prompt's rows filled the client's 64 KB HTTP/2 window
     (edge_client/link.py) and the Verdicts behind them waited a round trip for the window to
-    reopen: on `satellite` tokens 2-24 came 0.6 s late. While rows wait, a later Verdict's rows
-    join the backlog behind them, so rows still arrive in order; `flush` drops the rows still
-    waiting at the end (and wire.trailing cuts a last Verdict's many rows): nobody drafts past
-    the end.
+    reopen: on `satellite` tokens 2-24 came 0.6 s late. A Verdict's own few rows go inside it
+    only while none wait and the budget has room; else they join the backlog behind the others,
+    so rows arrive in order. A client whose drafts come too late to be used pauses the rows
+    (Draft.rows_paused, edge_client/following.py): they wait until it wants them again. `flush`
+    drops the rows still waiting at the end (and wire.trailing cuts a last Verdict's many rows):
+    nobody drafts past the end.
     """
 
     def __init__(self, write: Callable[[Verdict | ActivationRows], Awaitable[None]],
@@ -119,10 +121,12 @@ class Outbox:
                  rows_in_flight: int | None = None):
         self._parts = parts
         self._budget = rows_in_flight
-        self._verdicts: deque[Verdict | None] = deque()  # None: flush
+        # (the Verdict, the rows that trail it); None: flush
+        self._verdicts: deque[tuple[Verdict, list[ActivationRows]] | None] = deque()
         self._rows: deque[ActivationRows] = deque()
         self._written_end: int | None = None  # the end of the last rows written
         self._held = 0  # rows the client holds
+        self._paused = False  # the client wants no rows for now
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._drain(write))
 
@@ -130,16 +134,14 @@ class Outbox:
         if self._task.done():  # the writer stopped: raise what stopped it (a broken stream)
             await self._task
         head, *rows = self._parts(verdict)
-        if self._rows and head.activations is not None:  # behind the waiting rows, in order
-            rows.insert(0, head.activations)
-            head = replace(head, activations=None)
-        self._rows.extend(rows)
-        self._verdicts.append(head)
+        self._verdicts.append((head, rows))
         self._wake.set()
 
-    def held(self, rows: int) -> None:
-        """The client holds the activation rows of positions [0, rows)."""
+    def held(self, rows: int, paused: bool = False) -> None:
+        """The client holds the activation rows of positions [0, rows), and wants no more
+        for now when `paused`."""
         self._held = max(self._held, rows)
+        self._paused = paused
         self._wake.set()
 
     async def flush(self) -> None:
@@ -155,9 +157,10 @@ class Outbox:
         while True:
             self._wake.clear()
             if self._verdicts:
-                verdict = self._verdicts.popleft()
-                if verdict is None:
+                item = self._verdicts.popleft()
+                if item is None:
                     return
+                verdict = self._behind_waiting_rows(*item)
                 if verdict.activations is not None:
                     self._written(verdict.activations)
                 await write(verdict)
@@ -168,7 +171,19 @@ class Outbox:
             else:
                 await self._wake.wait()
 
+    def _behind_waiting_rows(self, verdict: Verdict, rows: list[ActivationRows]) -> Verdict:
+        """`verdict` as it goes out now: its own rows inside it, or moved to the backlog with
+        the rows that trail it. Decided as it is written, so the backlog stays in order."""
+        inline = verdict.activations
+        if inline is not None and (self._rows or not self._may_send(inline)):
+            rows = [inline, *rows]
+            verdict = replace(verdict, activations=None)
+        self._rows.extend(rows)
+        return verdict
+
     def _may_send(self, rows: ActivationRows) -> bool:
+        if self._paused:
+            return False
         if self._budget is None or self._written_end is None:
             return True
         unacknowledged = max(0, self._written_end - self._held) * wire.row_bytes(rows)

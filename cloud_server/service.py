@@ -333,7 +333,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                     self._check_draft(session, msg)
                     inbox.put(msg, len(session.committed))
                     if msg.rows_held is not None:
-                        outbox.held(msg.rows_held)
+                        outbox.held(msg.rows_held, msg.rows_paused)
         finally:
             inbox.close()
 

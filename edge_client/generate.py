@@ -253,7 +253,8 @@ class SplitGeneration:
             verdict = await _expect(stream, (Verdict, ActivationRows))
             if isinstance(verdict, ActivationRows):  # rows that trail a Verdict (wire.trailing)
                 self._add_rows(verdict)
-                if self.request.acks_rows:  # the server sends more as these are acknowledged
+                # The server sends more as these are acknowledged; a resting edge wants none.
+                if self.request.acks_rows and not follower.spacing.resting:
                     await stream.send(follower.sent(self._acknowledgement()))
                 continue
             self._learn(follower.verified(verdict, self.context), verdict)
@@ -264,17 +265,22 @@ class SplitGeneration:
                 await self._answer(stream, follower)
 
     async def _answer(self, stream: DecodeStream, follower: "DraftFollower") -> None:
-        draft = self._acknowledgement()
-        if follower.due(self.context):
+        """Drafts when one is due and drafts pay (following.py, DraftSpacing); offline text goes
+        at once, since the server checks it only as a draft. Else only acknowledges."""
+        draft = self._acknowledgement(rows_paused=follower.spacing.resting)
+        if follower.due(self.context) and (self.offline or follower.spacing.chance()):
             proposal, _ = self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
         await stream.send(follower.sent(draft))
 
-    def _acknowledgement(self) -> DraftRequest:
-        """A draft without nodes: the committed length and the rows the edge holds."""
-        return DraftRequest(0, len(self.context), DraftTree((), ()),
-                            rows_held=self.rows_held if self.request.acks_rows else None)
+    def _acknowledgement(self, rows_paused: bool = False) -> DraftRequest:
+        """A draft without nodes: the committed length, the rows the edge holds and whether it
+        wants more of them now."""
+        if not self.request.acks_rows:
+            return DraftRequest(0, len(self.context), DraftTree((), ()))
+        return DraftRequest(0, len(self.context), DraftTree((), ()), rows_held=self.rows_held,
+                            rows_paused=rows_paused)
 
     def _learn(self, tree: DraftTree | None, verdict: Verdict) -> None:
         """What a paced Verdict teaches: `tree` is the edge's draft it verified, re-rooted at

@@ -140,6 +140,7 @@ class DraftRequest:
     tree: DraftTree
     q: tuple[NodeQ, ...] = ()  # acceptance sampled-drafts only
     rows_held: int | None = None  # OpenRequest.acks_rows: activation rows the edge holds
+    rows_paused: bool = False  # OpenRequest.acks_rows: send no rows until a draft without this
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,8 @@ def draft_to_proto(msg: DraftRequest, graphs: bool) -> pb.Draft:
     return pb.Draft(round_id=msg.round_id, base_length=msg.base_length,
                     tokens=graph.tree.tokens, parents=graph.tree.parents,
                     q=[pb.DraftQ(node=q.node, tokens=q.tokens, probs=q.probs) for q in msg.q],
-                    alias_nodes=aliases[0], alias_targets=aliases[1], rows_held=msg.rows_held)
+                    alias_nodes=aliases[0], alias_targets=aliases[1], rows_held=msg.rows_held,
+                    rows_paused=msg.rows_paused)
 
 
 def client_from_proto(msg: pb.ClientMessage, max_tree_nodes: int) -> ClientMessage:
@@ -150,7 +151,7 @@ def client_from_proto(msg: pb.ClientMessage, max_tree_nodes: int) -> ClientMessa
         d = msg.draft
         q = tuple(NodeQ(q.node, tuple(q.tokens), tuple(q.probs)) for q in d.q)
         return DraftRequest(d.round_id, d.base_length, _unrolled(d, bool(q), max_tree_nodes), q,
-                            d.rows_held if d.HasField("rows_held") else None)
+                            d.rows_held if d.HasField("rows_held") else None, d.rows_paused)
     if kind == "close":
         return CloseRequest()
     raise InvalidRequest("client message has no open, draft or close")

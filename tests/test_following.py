@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge_client.following import DraftFollower, Lag, drafted_ahead
+from edge_client.following import (FIRST_REST, MAX_REST, PATIENCE, DraftFollower, DraftSpacing,
+                                   Lag, drafted_ahead)
 from shared.drafting.pld import PromptLookupDrafter
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot
@@ -48,6 +49,47 @@ def test_an_overtaken_draft_teaches_a_lower_bound_and_a_wrong_one_nothing():
     assert follower.due([1, 2, 9, 9])  # another text: says nothing of the lag
     assert lag.mean == pytest.approx(1.2)
     assert follower.due([1, 2, 9, 9])  # no live draft: always due
+
+
+def chances_until_a_draft(spacing: DraftSpacing) -> int:
+    """The chances that pass before the edge drafts (at most 1000)."""
+    return next(i for i in range(1000) if spacing.chance())
+
+
+def test_overtaken_drafts_make_the_edge_rest_longer_up_to_a_bound():
+    spacing = DraftSpacing()
+    for _ in range(PATIENCE - 1):
+        spacing.overtaken()
+    assert not spacing.resting and chances_until_a_draft(spacing) == 0
+    spacing.overtaken()
+    assert spacing.resting  # so it wants no rows either
+    assert chances_until_a_draft(spacing) == FIRST_REST and not spacing.resting
+    spacing.overtaken()  # the probe earned nothing
+    assert chances_until_a_draft(spacing) == 2 * FIRST_REST
+    for _ in range(20):
+        spacing.overtaken()
+    assert chances_until_a_draft(spacing) == MAX_REST  # still probes
+    spacing.earned()
+    assert not spacing.resting and chances_until_a_draft(spacing) == 0
+
+
+def test_the_follower_rests_after_overtaken_drafts_and_not_after_wrong_ones():
+    follower = DraftFollower(Lag())
+    for i in range(PATIENCE - 1):  # right to their leaf, but the server got there first
+        sent(follower, 2, DraftTree.chain([3, 4]))
+        assert follower.due([1, 2, 3, 4, 5, 6 + i])
+    for i in range(3):  # wrong from their first node: they say nothing of the link
+        sent(follower, 2, DraftTree.chain([3, 4]))
+        assert follower.due([1, 2, 9, 9 + i])
+        draft = sent(follower, 2, DraftTree.chain([3, 4]))
+        follower.verified(Verdict(1, (), (9,), 3, draft_id=draft.round_id), [1, 2])
+    assert not follower.spacing.resting
+    sent(follower, 2, DraftTree.chain([3, 4]))
+    assert follower.due([1, 2, 3, 7, 5])  # right at first: a faster link would have had it
+    assert follower.spacing.resting
+    draft = sent(follower, 2, DraftTree.chain([3, 4]))
+    follower.verified(Verdict(1, (0,), (3, 4), 4, draft_id=draft.round_id), [1, 2])
+    assert not follower.spacing.resting
 
 
 def test_a_fixed_lag_is_kept():

@@ -267,8 +267,8 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
     monkeypatch.setattr(service, "ROWS_IN_FLIGHT_BYTES", in_flight)
     acknowledged: list[int] = []
     real_held = pacing.Outbox.held
-    monkeypatch.setattr(pacing.Outbox, "held", lambda self, rows: (
-        acknowledged.append(rows), real_held(self, rows))[-1])
+    monkeypatch.setattr(pacing.Outbox, "held", lambda self, rows, paused=False: (
+        acknowledged.append(rows), real_held(self, rows, paused))[-1])
     sent = _recording_trailing(monkeypatch)
     added: list[tuple[int, int]] = []  # (start, rows) as the edge's drafter got them
     real_add = MoaDrafter.add_activations
@@ -289,6 +289,56 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
     assert len(prompt) in acknowledged
     assert compare(tiny_target, prompt, result.output_ids,
                    plain_greedy(tiny_target, prompt, MAX_NEW)).lossless
+
+
+def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
+        tiny_target, tiny_drafter_dir, tmp_path, monkeypatch):
+    """Right one-token drafts over a link slower than the server, which drafts nothing of its
+    own: it commits past each draft before the draft arrives. After a few the edge drafts only
+    now and then and pauses the rows, so the server sends none; at each probe the
+    rows it missed catch up, in order, and the text stays exact."""
+    from cloud_server import pacing, service
+    from cloud_server.server_decoding import ServerDecoder
+    from shared.draft_q import Proposal
+    from shared.tree import DraftTree
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(service, "ROWS_IN_FLIGHT_BYTES", 512)  # 4 rows of the tiny model
+    max_new = 64
+    prompt = PROMPTS[0]
+    plain = plain_greedy(tiny_target, prompt, max_new)
+    proposed: list[int] = []
+    monkeypatch.setattr(MoaDrafter, "propose", lambda self, context, nodes: (
+        proposed.append(len(context)),
+        DraftTree.chain(plain[len(context) - len(prompt):][:1]))[1])
+    monkeypatch.setattr(ServerDecoder, "propose",
+                        lambda self, context: Proposal(DraftTree.chain([])))
+    answers: list[tuple[int, bool]] = []  # (committed length, rows paused) as received
+    real_put = pacing.Inbox.put
+    monkeypatch.setattr(pacing.Inbox, "put", lambda self, draft, committed: (
+        answers.append((draft.base_length, draft.rows_paused)),
+        real_put(self, draft, committed))[-1])
+    added: list[tuple[int, int]] = []
+    real_add = MoaDrafter.add_activations
+    monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
+        added.append((start, len(values))), real_add(self, start, values))[-1])
+    alone: list[int] = []  # Verdicts the server sent without their rows, which waited
+    real_send = service.SplitDecodingService._send
+    monkeypatch.setattr(service.SplitDecodingService, "_send", lambda self, context, msg: (
+        isinstance(msg, Verdict) and msg.activations is None
+        and msg.finish_reason is FinishReason.NOT_FINISHED
+        and alone.append(msg.committed_length), real_send(self, context, msg))[-1])
+    limits = replace(LIMITS, max_new_tokens=max_new)
+    slow = NetworkConditions.symmetric(LinkProfile(delay_ms=25))
+    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server, \
+            ProxyThread(server.address, slow) as proxy:
+        result, = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.SERVER),
+                      prompts=[prompt])
+    assert result.output_ids == plain and result.accepted_tokens == 0
+    assert len(proposed) < len({base for base, _ in answers}) / 4  # it rested
+    assert sum(paused for _, paused in answers) > 16
+    assert len(alone) > 16
+    assert all(a + n == b for (a, n), (b, _) in zip(added, added[1:]))  # caught up in order
 
 
 def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tiny_drafter_dir,

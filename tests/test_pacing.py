@@ -195,6 +195,38 @@ def test_verdicts_go_before_rows_the_client_has_not_acknowledged():
     assert steps[4] == [("Verdict", 52)]
 
 
+def test_rows_past_the_budget_or_paused_wait_even_those_inside_verdicts():
+    """A Verdict's few rows go inside it while the budget has room; past it the Verdicts go
+    alone and their rows wait, in order, until the client acknowledges more. Paused, no rows
+    go at all until the client wants them again."""
+    async def go():
+        written: list = []
+
+        async def write(msg) -> None:
+            written.append(msg)
+        outbox = Outbox(write, lambda verdict: wire.trailing(verdict, 16 * 8, 10 * 8), 20 * 8)
+        for start, n in ((0, 16), (16, 2), (18, 4), (22, 1)):
+            await outbox.put(Verdict(start, (), (5,), start + n + 1,
+                                     activations=_rows(start, n)))
+            await asyncio.sleep(0.01)
+        paused = [(m.committed_length, m.activations and m.activations.start)
+                  for m in written]
+        written.clear()
+        outbox.held(18, paused=True)
+        await outbox.put(Verdict(4, (), (5,), 25, activations=_rows(23, 1)))
+        await asyncio.sleep(0.01)
+        still_paused = [(m.committed_length, m.activations) for m in written]
+        written.clear()
+        outbox.held(18)
+        await asyncio.sleep(0.01)
+        await outbox.flush()
+        return paused, still_paused, [m.start for m in written]
+    paused, still_paused, resumed = asyncio.run(go())
+    assert paused == [(17, 0), (19, 16), (23, None), (24, None)]
+    assert still_paused == [(25, None)]
+    assert resumed == [18, 22, 23]
+
+
 def test_without_acknowledgements_rows_follow_their_verdict_at_once():
     """A client that does not acknowledge rows gets them all as soon as the link takes them."""
     async def go():

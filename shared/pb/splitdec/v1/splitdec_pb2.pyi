@@ -245,7 +245,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., drafter: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("round_id", "base_length", "tokens", "parents", "q", "alias_nodes", "alias_targets", "rows_held")
+    __slots__ = ("round_id", "base_length", "tokens", "parents", "q", "alias_nodes", "alias_targets", "rows_held", "rows_paused")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class Draft(_message.Message):
     ALIAS_NODES_FIELD_NUMBER: _ClassVar[int]
     ALIAS_TARGETS_FIELD_NUMBER: _ClassVar[int]
     ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PAUSED_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     base_length: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -262,7 +263,8 @@ class Draft(_message.Message):
     alias_nodes: _containers.RepeatedScalarFieldContainer[int]
     alias_targets: _containers.RepeatedScalarFieldContainer[int]
     rows_held: int
-    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ..., alias_nodes: _Optional[_Iterable[int]] = ..., alias_targets: _Optional[_Iterable[int]] = ..., rows_held: _Optional[int] = ...) -> None: ...
+    rows_paused: bool
+    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ..., alias_nodes: _Optional[_Iterable[int]] = ..., alias_targets: _Optional[_Iterable[int]] = ..., rows_held: _Optional[int] = ..., rows_paused: _Optional[bool] = ...) -> None: ...
 
 class DraftQ(_message.Message):
     __slots__ = ("node", "tokens", "probs")
