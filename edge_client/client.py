@@ -8,7 +8,6 @@ from tokenizers import Tokenizer
 
 from shared.drafting.budget import TreeBudget
 from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_acceptance
-from edge_client.following import DraftSpacing
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
@@ -76,8 +75,6 @@ class EdgeClient:
     def __init__(self, address: str, options: ClientOptions, config: LinkConfig = LinkConfig()):
         self.options = options
         self.link = ServerLink(address, config)
-        # Whether drafts pay on this link, carried from one answer to the next (following.py).
-        self._spacing = DraftSpacing()
         self._info: ServerInfo | None = None
         self._tokenizer: Tokenizer | None = None
 
@@ -129,7 +126,7 @@ class EdgeClient:
         async with self._drafters.checkout() as drafter:
             return await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,
-                self.info.limits, self.options.draft_ahead, self._spacing)
+                self.info.limits, self.options.draft_ahead)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

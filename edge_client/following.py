@@ -64,9 +64,7 @@ class DraftSpacing:
     the end of a rest it drafts from what it holds and takes the rows again, so the ones it
     missed start to catch up; a draft that gets a node accepted ends the resting. A probe does
     not wait for the rows: on a link too slow for drafts to pay, the prompt's rows alone take
-    seconds. One client keeps one DraftSpacing for all its answers (edge_client/client.py): a
-    link too slow for its drafts stays so from one answer to the next, and the next answer then
-    starts resting, before the prompt's rows take the link.
+    seconds.
     """
 
     def __init__(self) -> None:
@@ -100,9 +98,9 @@ class DraftFollower:
     """Draft ids and the live draft of one Decode stream (ids start again on a new stream), and
     whether the drafts it sent earned anything (`spacing`)."""
 
-    def __init__(self, lag: Lag, spacing: DraftSpacing) -> None:
+    def __init__(self, lag: Lag) -> None:
         self.lag = lag
-        self.spacing = spacing
+        self.spacing = DraftSpacing()
         self._next_id = 1
         self._live: DraftRequest | None = None
 

@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.following import DraftFollower, DraftSpacing, Lag, drafted_ahead
+from edge_client.following import DraftFollower, Lag, drafted_ahead
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.acceptance import AcceptanceMode
@@ -121,10 +121,8 @@ class SplitGeneration:
     def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
                  budget: TreeBudget, listener: Listener | None = None,
                  policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                 ahead: int | None = 0, spacing: DraftSpacing | None = None):
+                 ahead: int | None = 0):
         self.link, self.drafter, self.request, self.budget = link, drafter, request, budget
-        # paced sessions: when drafts pay (following.py); the client's, kept across answers
-        self.spacing = DraftSpacing() if spacing is None else spacing
         self.listener = listener or SilentListener()
         self.policy = policy
         self.limits = limits  # the server's: trees past them are refused
@@ -249,7 +247,7 @@ class SplitGeneration:
         """A server-paced session: the server runs forward after forward; the edge answers
         every Verdict with a draft from the new committed position, or only acknowledges it
         while its last draft still continues the text (the server re-roots it)."""
-        follower = DraftFollower(self.lag, self.spacing)
+        follower = DraftFollower(self.lag)
         await self._answer(stream, follower)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
@@ -405,8 +403,7 @@ class SplitGeneration:
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
                          budget: TreeBudget, listener: Listener | None = None,
                          policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                         ahead: int | None = 0, spacing: DraftSpacing | None = None
-                         ) -> GenerationResult:
+                         ahead: int | None = 0) -> GenerationResult:
     """Runs one generation to its end (see SplitGeneration)."""
     return await SplitGeneration(link, drafter, request, budget, listener, policy, limits,
-                                 ahead, spacing).run()
+                                 ahead).run()

@@ -27,7 +27,7 @@ def test_below_hangs_a_tree_under_a_chain():
 
 def test_a_used_draft_teaches_the_lag_it_met():
     lag = Lag()
-    follower = DraftFollower(lag, DraftSpacing())
+    follower = DraftFollower(lag)
     draft = sent(follower, 3, DraftTree.chain([4, 5, 6, 7]))
     context = [1, 2, 3, 4, 5]  # the server committed two tokens before the forward that used it
     assert follower.verified(Verdict(1, (0,), (6, 7), 7, draft_id=draft.round_id), context)
@@ -40,7 +40,7 @@ def test_a_used_draft_teaches_the_lag_it_met():
 
 def test_an_overtaken_draft_teaches_a_lower_bound_and_a_wrong_one_nothing():
     lag = Lag()
-    follower = DraftFollower(lag, DraftSpacing())
+    follower = DraftFollower(lag)
     sent(follower, 2, DraftTree.chain([3, 4]))
     assert not follower.due([1, 2, 3])  # still continues the text
     assert follower.due([1, 2, 3, 4, 5, 6])  # right to its leaf, but the server is past it
@@ -74,7 +74,7 @@ def test_overtaken_drafts_make_the_edge_rest_longer_up_to_a_bound():
 
 
 def test_the_follower_rests_after_overtaken_drafts_and_not_after_wrong_ones():
-    follower = DraftFollower(Lag(), DraftSpacing())
+    follower = DraftFollower(Lag())
     for i in range(PATIENCE - 1):  # right to their leaf, but the server got there first
         sent(follower, 2, DraftTree.chain([3, 4]))
         assert follower.due([1, 2, 3, 4, 5, 6 + i])
