@@ -29,7 +29,7 @@ from typing import Iterator
 import numpy as np
 
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
-                               markdown_table, parse_cores, pinned, placement)
+                               markdown_table, parse_cores, placement, python_module)
 from benchmarks.reliability import log, prompt_items, server_metrics
 from tests.cli_harness import free_port
 
@@ -115,11 +115,11 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
     before = server_metrics(metrics_port)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start_at = time.time() + START_DELAY_S
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.capacity", "--client", json.dumps({
+    procs = [python_module(
+        "benchmarks.capacity", ["--client", json.dumps({
             "address": address, "method": method, "prompts": mine,
             "max_new_tokens": args.max_new_tokens, "start_at": start_at})],
-        stdout=subprocess.PIPE, text=True, **pinned(parse_cores(args.client_cores)))
+        parse_cores(args.client_cores), stdout=subprocess.PIPE, text=True)
         for mine in prompts]
     answers = []
     for proc in procs:

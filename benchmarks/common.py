@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import platform
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -20,23 +21,31 @@ def machine() -> str:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    import os
-
     import torch
     return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 
-def pinned(cores: frozenset[int] | None) -> dict:
-    """Popen arguments that run a process on `cores` only (None: anywhere), with as many
-    compute threads as cores, so processes on separate cores do not slow each other: how a
-    benchmark on one machine stands in for a server and laptops on separate ones."""
-    if cores is None:
-        return {}
-    import os
+# Sets the affinity, then runs the module as __main__: a process started so needs no
+# preexec_fn, whose fork() in a client with live gRPC threads ran gRPC's fork handlers ("Other
+# threads are currently calling into gRPC, skipping fork() handlers") and once left a netsim
+# child that never printed its address. Without a preexec_fn, Python spawns with vfork.
+_PIN_AND_RUN = ("import os, runpy, sys; "
+                "os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(',')}); "
+                "sys.argv = sys.argv[2:]; "
+                "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)")
 
-    return {"preexec_fn": lambda: os.sched_setaffinity(0, cores),
-            "env": {**os.environ, "OMP_NUM_THREADS": str(len(cores))}}
+
+def python_module(module: str, args: Sequence[str], cores: frozenset[int] | None,
+                  **popen: Any) -> subprocess.Popen:
+    """`python -m module args`, on `cores` only (None: anywhere) with as many compute threads
+    as cores, so processes on separate cores do not slow each other: how a benchmark on one
+    machine stands in for a server and laptops on separate ones."""
+    if cores is None:
+        return subprocess.Popen([sys.executable, "-m", module, *args], **popen)
+    env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
+    return subprocess.Popen([sys.executable, "-c", _PIN_AND_RUN,
+                             ",".join(map(str, sorted(cores))), module, *args], env=env, **popen)
 
 
 def parse_cores(text: str | None) -> frozenset[int] | None:
@@ -84,8 +93,7 @@ def netsim_proxy(target: str, profile: str, outages: Sequence[tuple[float, float
 def _listening(module: str, args: list[str], cores: frozenset[int] | None) -> Iterator[str]:
     """`python -m module args` on `cores` until the block ends; yields the HOST:PORT of the
     `listening on HOST:PORT` line it prints first."""
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                            text=True, **pinned(cores))
+    proc = python_module(module, args, cores, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
         if not line.startswith("listening on "):
