@@ -46,14 +46,16 @@ class PacingPolicy:
 
 
 class Inbox:
-    """The freshest client draft and the longest committed length the client acknowledged,
-    filled by the stream's reader as messages arrive."""
+    """The freshest client draft, the longest committed length the client acknowledged and
+    whether it rests, filled by the stream's reader as messages arrive."""
 
     def __init__(self, acked: int):
         self.draft: DraftRequest | None = None
         self.acked = acked
         self.acked_at = time.monotonic()
         self.closed = False  # the client closed its side, or the stream ended
+        # The client rests from drafting (Draft.rows_paused): it answers only now and then
+        self.resting = False
         self._last_id = 0
         self._changed = asyncio.Event()
 
@@ -64,6 +66,7 @@ class Inbox:
             raise OutOfOrder(f"draft continues {draft.base_length} tokens, but {committed} are "
                              "committed")
         self._last_id = draft.round_id
+        self.resting = draft.rows_paused
         if draft.base_length > self.acked:
             self.acked, self.acked_at = draft.base_length, time.monotonic()
         if len(draft.tree):
@@ -220,7 +223,8 @@ class AutoPace:
     Under load (other sessions' work on the model) a forward is the scarce resource: waiting
     costs the other sessions nothing, since the model runs their work meanwhile, and a forward
     with the client's draft commits more per forward. So a busy server waits for an answer due
-    within LOADED_WAIT_STEPS steps.
+    within LOADED_WAIT_STEPS steps. A client that rests from drafting (Draft.rows_paused)
+    answers only now and then, and is not waited for.
     """
 
     step_s: float | None = None  # a forward without a fresh client draft
@@ -294,7 +298,7 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
             return inbox.acked >= committed()
 
         if auto is not None:
-            if not fresh():
+            if not fresh() and not inbox.resting:
                 await inbox.wait(fresh, auto.wait_s(committed(), time.monotonic(), busy()))
             auto.answered(inbox.acked, inbox.acked_at)
         if finished():  # while it waited, another stream may have taken the session over

@@ -266,13 +266,15 @@ class SplitGeneration:
 
     async def _answer(self, stream: DecodeStream, follower: "DraftFollower") -> None:
         """Drafts when one is due and drafts pay (following.py, DraftSpacing); offline text goes
-        at once, since the server checks it only as a draft. Else only acknowledges."""
+        at once, since the server checks it only as a draft. Else only acknowledges, and a
+        resting edge only now and then (DraftFollower.needless)."""
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
         if follower.due(self.context) and (self.offline or follower.spacing.chance()):
             proposal, _ = self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
-        await stream.send(follower.sent(draft))
+        if not follower.needless(draft, self._session.lead):
+            await stream.send(follower.sent(draft))
 
     def _acknowledgement(self, rows_paused: bool = False) -> DraftRequest:
         """A draft without nodes: the committed length, the rows the edge holds and whether it

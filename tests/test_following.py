@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge_client.following import (FIRST_REST, MAX_REST, PATIENCE, DraftFollower, DraftSpacing,
-                                   Lag, drafted_ahead)
+from edge_client.following import (ACKS_PER_LEAD, FIRST_REST, MAX_REST, PATIENCE, DraftFollower,
+                                   DraftSpacing, Lag, drafted_ahead)
 from shared.drafting.pld import PromptLookupDrafter
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot
@@ -121,3 +121,20 @@ def test_drafting_ahead_stays_within_the_servers_limits():
     assert len(capped) == 10
     shallow = drafted_ahead(drafter, context, 8, 40, 64, drafter.max_depth + 2)
     assert max(shallow.depths()) < drafter.max_depth + 2
+
+
+def test_a_resting_edge_acknowledges_once_per_quarter_of_the_lead():
+    follower = DraftFollower(Lag())
+
+    def ack(base: int, paused: bool = True) -> DraftRequest:
+        return DraftRequest(0, base, DraftTree((), ()), rows_paused=paused)
+    assert not follower.needless(ack(10), lead=128)  # the server must learn that it rests
+    follower.sent(ack(10))
+    assert follower.needless(ack(11), lead=128)
+    assert follower.needless(ack(10 + 128 // ACKS_PER_LEAD - 1), lead=128)
+    assert not follower.needless(ack(10 + 128 // ACKS_PER_LEAD), lead=128)  # the lead nears
+    assert not follower.needless(ack(11, paused=False), lead=128)  # done resting
+    assert not follower.needless(DraftRequest(0, 11, DraftTree.chain([3]), rows_paused=True),
+                                 lead=128)  # a draft always goes
+    follower.sent(ack(12, paused=False))
+    assert not follower.needless(ack(13), lead=128)  # a new rest: say so at once

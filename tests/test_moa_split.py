@@ -295,7 +295,8 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
         tiny_target, tiny_drafter_dir, tmp_path, monkeypatch):
     """Right one-token drafts over a link slower than the server, which drafts nothing of its
     own: it commits past each draft before the draft arrives. After a few the edge drafts only
-    now and then and pauses the rows, so the server sends none; at each probe the
+    now and then, pauses the rows, so the server sends none, and answers the Verdicts only
+    now and then (the server's lead is far); at each probe the
     rows it missed catch up, in order, and the text stays exact."""
     from cloud_server import pacing, service
     from cloud_server.server_decoding import ServerDecoder
@@ -335,8 +336,9 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
         result, = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.SERVER),
                       prompts=[prompt])
     assert result.output_ids == plain and result.accepted_tokens == 0
-    assert len(proposed) < len({base for base, _ in answers}) / 4  # it rested
-    assert sum(paused for _, paused in answers) > 16
+    assert len(proposed) < max_new / 4  # it rested
+    assert any(paused for _, paused in answers)
+    assert len(answers) < max_new / 2  # and, resting, answered only now and then
     assert len(alone) > 16
     assert all(a + n == b for (a, n), (b, _) in zip(added, added[1:]))  # caught up in order
 

@@ -286,3 +286,34 @@ def test_paced_drafts_are_checked_like_lockstep_ones(tiny_server):
                                               draft_msg(tokens=(100000,)), CLOSE])
     assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "outside" in err.details()
+
+
+def test_auto_waits_for_no_answer_from_a_resting_client():
+    """A client that rests from drafting (Draft.rows_paused) answers only now and then
+    (edge_client/following.py): auto pace goes on at once instead of waiting for its answer
+    to each Verdict, as it does for a client that answers every one."""
+    async def go(resting: bool) -> list[float]:
+        committed, waits = [10], []
+        inbox = Inbox(acked=10)
+        wait = inbox.wait
+
+        async def recorded(ready, timeout_s: float | None) -> bool:
+            if timeout_s is not None:  # a wait for the client's answer, not for the lead
+                waits.append(timeout_s)
+            return await wait(ready, timeout_s)
+        inbox.wait = recorded  # type: ignore[method-assign]
+
+        async def forward(draft, queued_at) -> Verdict:
+            await asyncio.sleep(0.002)
+            committed[0] += 1
+            return Verdict(committed[0], (), (1,), committed[0])
+
+        async def send(verdict: Verdict) -> None:  # answered at once, then no more after 14
+            n = verdict.committed_length
+            if n <= 14:
+                inbox.put(DraftRequest(n, n, DraftTree((), ()), rows_paused=resting), n)
+        await run_paced(lambda: committed[0], lambda: committed[0] >= 30, inbox, forward, send,
+                        Pace.AUTO, lead=64)
+        return waits
+    assert asyncio.run(go(resting=False))
+    assert not asyncio.run(go(resting=True))
