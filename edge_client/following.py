@@ -62,33 +62,46 @@ class DraftSpacing:
     and the bytes 21-29% (README, "An edge that rests"). So after PATIENCE drafts that the
     server overtook unused (their first nodes were right, and a faster link would have had them
     accepted; a draft wrong from its first node says nothing of the link) the edge rests: it
-    lets FIRST_REST chances pass, doubling with every probe overtaken too up to MAX_REST, and
-    pauses the rows (Draft.rows_paused; they wait on the server, cloud_server/pacing.py). At
-    the end of a rest it drafts from what it holds and takes the rows again, so the ones it
-    missed start to catch up; a draft that gets a node accepted ends the resting. A probe does
-    not wait for the rows: on a link too slow for drafts to pay, the prompt's rows alone take
-    seconds.
+    lets FIRST_REST chances pass, doubling with every probe overtaken too up to MAX_REST, then
+    probes with a draft from what it holds. A rest ends only when a draft gets a node
+    accepted; a probe that earns nothing starts the next rest. All the while the edge wants
+    no rows (Draft.rows_paused; they wait on the server, cloud_server/pacing.py) and answers
+    only now and then (DraftFollower.needless). Before, each probe took the rows again until it
+    was overtaken: on `3g` that let 65-130 KB of missed rows a 64-token answer onto the link,
+    and the Verdicts queued behind them.
     """
 
     def __init__(self) -> None:
         self._overtaken = 0  # since the last draft that earned
         self._rest = 0  # chances still to let pass
+        self._resting = False
 
     def earned(self) -> None:
         """A forward accepted one of the draft's nodes."""
         self._overtaken = self._rest = 0
+        self._resting = False
 
     def overtaken(self) -> None:
         """The server's text followed the draft, but no forward used it before the server got
         past its right nodes."""
         self._overtaken += 1
         if self._overtaken >= PATIENCE:
-            self._rest = min(MAX_REST, FIRST_REST * 2 ** (self._overtaken - PATIENCE))
+            self._resting = True
+            self._rest_again()
+
+    def missed(self) -> None:
+        """The draft was wrong from its first node, or a forward used it and accepted none of
+        it: nothing learned of the link, but a probe that earned nothing rests again."""
+        if self._resting:
+            self._rest_again()
+
+    def _rest_again(self) -> None:
+        self._rest = min(MAX_REST, FIRST_REST * 2 ** max(0, self._overtaken - PATIENCE))
 
     @property
     def resting(self) -> bool:
-        """While resting the edge neither drafts nor wants rows."""
-        return self._rest > 0
+        """While resting the edge drafts only at probes and wants no rows."""
+        return self._resting
 
     def chance(self) -> bool:
         """Called at each chance to draft: True when the edge should draft at this one."""
@@ -144,6 +157,8 @@ class DraftFollower:
             self.lag.observe(len(since))
         if path:  # right as far as `path`, but no forward used it before the server got past
             self.spacing.overtaken()
+        else:
+            self.spacing.missed()
         self._live = None
         return True
 
@@ -157,6 +172,8 @@ class DraftFollower:
         self._live = None
         if verdict.accepted_nodes:
             self.spacing.earned()
+        else:
+            self.spacing.missed()
         self.lag.observe(len(context) - live.base_length)
         rerooted = reroot(live.tree, live.base_length, context)
         return None if rerooted is None else rerooted.proposal.tree

@@ -40,6 +40,7 @@ class GenerationResult:
     wall_s: float = 0.0
     ttft_s: float = 0.0
     bytes_up: int = 0
+    messages_up: int = 0  # on Decode streams: Opens, Drafts (acknowledgements too), Closes
     bytes_down: int = 0
     verify_s: float = 0.0  # the server's own time verifying, as its Verdicts report
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
@@ -62,8 +63,10 @@ class GenerationResult:
 
     @property
     def server_calls(self) -> int:
-        """Messages the edge sent: Open (one per stream) and one Draft per round."""
-        return 1 if self.server_only else self.rounds + 1 + self.reconnects
+        """Messages the edge sent the server: a baseline's one request, or everything sent on
+        the Decode streams (in lock-step an Open and one Draft a round; paced, a resting edge
+        answers only now and then, edge_client/following.py)."""
+        return 1 if self.server_only else self.messages_up
 
     @property
     def tokens_per_s(self) -> float:
@@ -168,6 +171,7 @@ class SplitGeneration:
         finally:
             stream.cancel()
             self.result.bytes_up += stream.bytes_up
+            self.result.messages_up += stream.messages_up
             self.result.bytes_down += stream.bytes_down
 
     def _open_request(self) -> OpenRequest:

@@ -182,7 +182,8 @@ class ServerLink:
 
 
 class DecodeStream:
-    """One Decode call: send domain messages, receive domain messages, count wire bytes."""
+    """One Decode call: send domain messages, receive domain messages, count wire bytes and the
+    messages sent."""
 
     def __init__(self, call, address: str, round_timeout_s: float, graphs: bool = False):
         self._call = call
@@ -191,12 +192,14 @@ class DecodeStream:
         self._graphs = graphs
         self.bytes_up = 0
         self.bytes_down = 0
+        self.messages_up = 0
 
     async def send(self, msg: ClientMessage, timeout_s: float | None = None) -> None:
         """Sends within `timeout_s` (default: the round timeout); a call that waits for the
         channel to be ready blocks here while the link is down."""
         raw = wire.client_to_proto(msg, self._graphs)
         self.bytes_up += raw.ByteSize() + GRPC_FRAME_BYTES
+        self.messages_up += 1
         timeout_s = timeout_s or self._round_timeout_s
         try:
             await asyncio.wait_for(self._call.write(raw), timeout_s)

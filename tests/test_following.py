@@ -63,13 +63,18 @@ def test_overtaken_drafts_make_the_edge_rest_longer_up_to_a_bound():
     assert not spacing.resting and chances_until_a_draft(spacing) == 0
     spacing.overtaken()
     assert spacing.resting  # so it wants no rows either
-    assert chances_until_a_draft(spacing) == FIRST_REST and not spacing.resting
+    assert chances_until_a_draft(spacing) == FIRST_REST
+    assert spacing.resting  # the probe goes without the rows
     spacing.overtaken()  # the probe earned nothing
     assert chances_until_a_draft(spacing) == 2 * FIRST_REST
+    spacing.missed()  # a probe wrong from its first node rests as long again
+    assert spacing.resting and chances_until_a_draft(spacing) == 2 * FIRST_REST
     for _ in range(20):
         spacing.overtaken()
     assert chances_until_a_draft(spacing) == MAX_REST  # still probes
     spacing.earned()
+    assert not spacing.resting and chances_until_a_draft(spacing) == 0
+    spacing.missed()  # outside a rest a wrong draft says nothing
     assert not spacing.resting and chances_until_a_draft(spacing) == 0
 
 

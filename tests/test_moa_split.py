@@ -296,8 +296,8 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
     """Right one-token drafts over a link slower than the server, which drafts nothing of its
     own: it commits past each draft before the draft arrives. After a few the edge drafts only
     now and then, pauses the rows, so the server sends none, and answers the Verdicts only
-    now and then (the server's lead is far); at each probe the
-    rows it missed catch up, in order, and the text stays exact."""
+    now and then (the server's lead is far). Its probes earn nothing, so the rows it missed
+    never come; those it got came in order, and the text stays exact."""
     from cloud_server import pacing, service
     from cloud_server.server_decoding import ServerDecoder
     from shared.draft_q import Proposal
