@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
                         + ", ".join(SPLIT_PACES))
     p.add_argument("--outage-profile", default="4g")
     p.add_argument("--outage-s", type=float, default=3.0)
+    p.add_argument("--outage-max-new-tokens", type=int, default=192,
+                   help="the outage runs' answer length: long enough that the outage, 2 s in, "
+                        "falls inside the answer (64 tokens took 1.9 s on `4g` here)")
     p.add_argument("--name", default="latency", help="output file stem")
     add_placement_args(p)
     args = p.parse_args()
@@ -179,14 +182,13 @@ def _identical(records: list[dict], profile: str, method: str) -> str:
 async def outage_cost(address: str, item: dict, args, mode: OutageMode) -> dict:
     """The same split generation without and with one outage 2 s in; the difference is what
     the outage cost, to set against its length plus one round."""
-    request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
-                          max_new_tokens=args.max_new_tokens)
+    tokens = args.outage_max_new_tokens
+    request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),), max_new_tokens=tokens)
     runs = {}
     for label, outages in (("clean", ()), ("outage", ((2.0, args.outage_s),))):
         with netsim_proxy(address, args.outage_profile, outages, mode.value,
                           parse_cores(args.client_cores)) as proxy:
-            async with EdgeClient(proxy, ClientOptions(args.drafter, None,
-                                                               args.max_new_tokens)) as client:
+            async with EdgeClient(proxy, ClientOptions(args.drafter, None, tokens)) as client:
                 runs[label] = await run_method(client, "split-auto", request)
     clean, hit = runs["clean"], runs["outage"]
     round_s = clean["wall_s"] / max(1, clean["rounds"])
@@ -214,11 +216,11 @@ def render(rows: list[dict]) -> str:
                            "(reached)", "same text"), body)
 
 
-def render_outages(rows: list[dict], profile: str) -> str:
+def render_outages(rows: list[dict], profile: str, tokens: int) -> str:
     body = [(r["mode"], f"{r['outage_s']:g}", f"{r['clean_s']:.2f}", f"{r['with_outage_s']:.2f}",
              f"{r['cost_s']:.2f}", f"{r['outage_s'] + r['round_s']:.2f}", r["offline_tokens"],
              r["corrected_tokens"], "yes" if r["identical"] else "NO") for r in rows]
-    return (f"Outage on `{profile}`, split decoding:\n\n" + markdown_table(
+    return (f"Outage on `{profile}`, split decoding, {tokens} new tokens:\n\n" + markdown_table(
         ("mode", "outage s", "clean run s", "with outage s", "cost s", "outage + 1 round s",
          "offline tokens", "corrected", "same text"), body))
 
@@ -271,7 +273,8 @@ def main() -> None:
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
               f"new tokens max, split drafter {args.drafter}, server-spec drafter "
               f"{SERVER_DRAFTER}; {machine()}; {placement(args)}\n\n")
-    text = (header + render(rows) + "\n\n" + render_outages(outages, args.outage_profile) + "\n")
+    text = (header + render(rows) + "\n\n" + render_outages(outages, args.outage_profile,
+                                                                args.outage_max_new_tokens) + "\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)
