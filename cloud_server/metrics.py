@@ -51,8 +51,11 @@ class Metrics:
                         ["direction"], registry=r)
         # Labelled children looked up once: every message and forward counts here, on the event
         # loop that shares a core with the forwards
-        self.bytes_in, self._bytes_out = sizes.labels("in"), sizes.labels("out")
+        self._bytes_in, self._bytes_out = sizes.labels("in"), sizes.labels("out")
         self._accepted_depth = [depth.labels(str(d)) for d in range(1, MAX_DEPTH_LABEL + 1)]
+
+    def received(self, size: int) -> None:
+        self._bytes_in.inc(size)
 
     def sent(self, msg: ServerMessage, size: int) -> None:
         self._bytes_out.inc(size)

@@ -345,7 +345,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
 
     @_grpc_status
     async def Generate(self, request: pb.GenerateRequest, context) -> None:
-        self.metrics.bytes_in.inc(request.ByteSize())
+        self.metrics.received(request.ByteSize())
         req = wire.generate_from_proto(request)
         if req.open.resume is not None:
             raise InvalidRequest("generate cannot resume a session; open a new one")
@@ -402,7 +402,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             raise InvalidRequest(f"not a splitdec.v1 ClientMessage: {err}") from None
         if raw is grpc.aio.EOF:
             return None
-        self.metrics.bytes_in.inc(raw.ByteSize())
+        self.metrics.received(raw.ByteSize())
         return wire.client_from_proto(raw, self.limits.max_tree_nodes)
 
     async def _on_model(self, fn: Callable[..., T], *args) -> T:
