@@ -64,15 +64,29 @@ def test_auto_waits_for_a_reply_due_within_the_allowance_only():
 
 def test_auto_weighs_the_larger_forward_a_client_draft_brings():
     """A fresh draft commits 2.2 tokens against the server's own 1.4, but its merged tree makes
-    the forward 80 ms against 60: waiting pays for at most 2.2 * 60 / 1.4 - 80 = 14 ms, so a
-    reply due in 30 ms is not waited for (one step time for both would have allowed 30 ms)."""
+    the forward 80 ms against 60: waiting pays for at most 2.2 * 60 / (0.9 * 1.4) - 80 = 25 ms
+    (FORWARD_THRIFT), so a reply due in 30 ms is not waited for (one step time for both would
+    have allowed 30 ms)."""
     auto = AutoPace(reply_s=0.03, gain_client=2.2, gain_server=1.4)
     for _ in range(50):
         auto.forwarded(tokens=2, fresh=True, step_s=0.08)
         auto.forwarded(tokens=1, fresh=False, step_s=0.06)
     auto.gain_client, auto.gain_server = 2.2, 1.4
-    assert auto.allowance_s() == pytest.approx(2.2 * 0.06 / 1.4 - 0.08, rel=1e-3)
+    assert auto.allowance_s() == pytest.approx(2.2 * 0.06 / (0.9 * 1.4) - 0.08, rel=1e-3)
     auto.sent(10, now=0.0)
+    assert auto.wait_s(10, now=0.0) == 0.0
+
+
+def test_alone_auto_gives_a_little_token_rate_to_save_a_forward():
+    """A fresh draft: 2.0 tokens in 28 ms; the server's own: 1.5 in 25 ms. Waiting 8 ms for the
+    draft commits 2.0 / 36 ms = 56 tokens/s against 60 without: within FORWARD_THRIFT, so the
+    server waits, and makes fewer forwards (on even rates alone it would not wait past 5 ms)."""
+    auto = AutoPace(step_s=0.025, client_step_s=0.028, reply_s=0.008, gain_client=2.0,
+                    gain_server=1.5)
+    assert auto.allowance_s() == pytest.approx(2.0 * 0.025 / (0.9 * 1.5) - 0.028)
+    auto.sent(10, now=0.0)
+    assert auto.wait_s(10, now=0.0) == pytest.approx(0.008)
+    auto.gain_client = 1.6  # 44 tokens/s: past the thrift, not worth the wait
     assert auto.wait_s(10, now=0.0) == 0.0
 
 
