@@ -11,7 +11,9 @@ import grpc
 import numpy as np
 import pytest
 
-from cloud_server.pacing import AutoPace, Inbox, Outbox, PacingPolicy, run_paced
+from cloud_server.pacing import (
+    LEARNING_FORWARDS, AutoPace, Inbox, Outbox, PacingPolicy, run_paced,
+)
 from shared import wire
 from shared.errors import OutOfOrder
 from shared.messages import ActivationRows, DraftRequest, FinishReason, Pace, Verdict
@@ -82,12 +84,23 @@ def test_alone_auto_gives_a_little_token_rate_to_save_a_forward():
     draft commits 2.0 / 36 ms = 56 tokens/s against 60 without: within FORWARD_THRIFT, so the
     server waits, and makes fewer forwards (on even rates alone it would not wait past 5 ms)."""
     auto = AutoPace(step_s=0.025, client_step_s=0.028, reply_s=0.008, gain_client=2.0,
-                    gain_server=1.5)
+                    gain_server=1.5, fresh_forwards=LEARNING_FORWARDS)
     assert auto.allowance_s() == pytest.approx(2.0 * 0.025 / (0.9 * 1.5) - 0.028)
     auto.sent(10, now=0.0)
     assert auto.wait_s(10, now=0.0) == pytest.approx(0.008)
     auto.gain_client = 1.6  # 44 tokens/s: past the thrift, not worth the wait
     assert auto.wait_s(10, now=0.0) == 0.0
+
+
+def test_auto_waits_to_learn_what_drafts_are_worth_before_it_trusts_its_prior():
+    """A prior that says drafts do not pay must not keep auto from ever measuring them: the
+    edge's unused drafts would be overtaken and it would rest, unmeasured."""
+    auto = AutoPace(step_s=0.03, reply_s=0.01, gain_client=1.0, gain_server=2.0)
+    auto.sent(10, now=0.0)
+    assert auto.wait_s(10, now=0.0) == pytest.approx(0.01)  # due within half a step
+    for _ in range(LEARNING_FORWARDS):
+        auto.forwarded(tokens=1, fresh=True, step_s=0.03)
+    assert auto.wait_s(10, now=0.0) == 0.0  # measured: not worth it
 
 
 @pytest.mark.parametrize("replies, waits", [((0.02, 0.02), True), ((0.022, 0.038), False)])
