@@ -192,7 +192,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                 await self._send(context, first)
                 ended = await self._serve_rounds(session, context, owner)
             else:
-                ended = await self._serve_paced(session, context, owner, first)
+                ended = await self._serve_paced(session, context, owner, first,
+                                                opening.rows_paused)
         except SplitDecodingError:
             self.sessions.release(session, owner)
             raise
@@ -255,16 +256,19 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         return True
 
     async def _serve_paced(self, session: Session, context, owner: object,
-                           first: Verdict) -> bool:
+                           first: Verdict, paused: bool) -> bool:
         """Sends `first` (the prefill's or a resume's Verdict), then runs forward after forward
         without waiting for the client (pacing.py), its drafts read as they come; then Done.
-        Returns as _serve_rounds does."""
+        `paused`: the client opened resting (Open.rows_paused): no rows, and no waiting for it,
+        until a draft says otherwise. Returns as _serve_rounds does."""
         inbox = Inbox(len(session.committed))
+        inbox.resting = paused
         own = ServerDecoder(session, own_drafter(self.pacing.drafter, self.limits), 0,
                             self.verify_costs, self._load)
         decoder = PacedDecoder(session, own, self.verify_costs)
         epoch = session.epoch
         outbox = self._outbox(context, session)
+        outbox.held(0, paused)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox, outbox))
         try:
             await outbox.put(first)  # its rows can take the link a second: no forward waits

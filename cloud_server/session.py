@@ -73,6 +73,9 @@ class Session:
         self.lead = request.lead
         self.trailing_rows = request.trailing_rows  # paced: rows may follow a Verdict
         self.acks_rows = request.trailing_rows and request.acks_rows  # ... and are acknowledged
+        if request.rows_paused and not self.acks_rows:
+            raise InvalidRequest("rows_paused needs trailing_rows and acks_rows: only a client "
+                                 "that acknowledges rows can ask for them again")
         self.rounds = 0
         # Raised by each takeover (a resume): paced work handed in under an older epoch runs
         # no forward (PacedDecoder.stepping), so nothing is committed behind a catch-up.

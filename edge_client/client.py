@@ -1,6 +1,7 @@
 """What the CLI and batch mode share: connect, check the server, fetch the tokenizer, generate."""
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -8,6 +9,7 @@ from tokenizers import Tokenizer
 
 from shared.drafting.budget import TreeBudget
 from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_acceptance
+from edge_client.following import DraftSpacing
 from edge_client.generate import GenerationResult, Listener, split_generate
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
@@ -77,6 +79,8 @@ class EdgeClient:
         self.link = ServerLink(address, config)
         self._info: ServerInfo | None = None
         self._tokenizer: Tokenizer | None = None
+        # Whether the next generation starts resting (DraftSpacing.carried)
+        self._spacing = DraftSpacing()
 
     @property
     def info(self) -> ServerInfo:
@@ -123,10 +127,13 @@ class EdgeClient:
         if self._drafters.needs_activations:
             request = replace(request, activations=self.options.activation_format,
                               trailing_rows=True, acks_rows=True)
+        spacing = copy.copy(self._spacing)  # generations at once each keep their own
         async with self._drafters.checkout() as drafter:
-            return await split_generate(
+            result = await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,
-                self.info.limits, self.options.draft_ahead)
+                self.info.limits, self.options.draft_ahead, spacing)
+        self._spacing = spacing.carried(result.link_outpaced)
+        return result
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -16,7 +16,7 @@ from typing import Protocol, Sequence
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.following import DraftFollower, Lag, drafted_ahead
+from edge_client.following import DraftFollower, DraftSpacing, Lag, drafted_ahead
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.acceptance import AcceptanceMode
@@ -55,6 +55,7 @@ class GenerationResult:
     corrected_tokens: int = 0  # offline tokens the target disagreed with, rewound
     unverified_ids: list[int] = field(default_factory=list)  # kept unverified (policy keep)
     server_only: bool = False  # a baseline: one server-streaming call, no drafts (server_only.py)
+    rtt_s: float = 0.0  # the link's round trip, from the first Open (the server's own time off)
 
     @property
     def tau(self) -> float:
@@ -67,6 +68,12 @@ class GenerationResult:
         the Decode streams (in lock-step an Open and one Draft a round; paced, a resting edge
         answers only now and then, edge_client/following.py)."""
         return 1 if self.server_only else self.messages_up
+
+    @property
+    def link_outpaced(self) -> bool:
+        """The link's round trip is longer than the server's mean forward: a draft sent on a
+        Verdict arrives after the next forward has begun."""
+        return self.rounds > 0 and self.rtt_s > self.verify_s / (self.rounds + 1)
 
     @property
     def tokens_per_s(self) -> float:
@@ -124,7 +131,9 @@ class SplitGeneration:
     def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
                  budget: TreeBudget, listener: Listener | None = None,
                  policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                 ahead: int | None = 0):
+                 ahead: int | None = 0, spacing: DraftSpacing | None = None):
+        """`spacing`: paced sessions, whether the edge rests from drafting; the client carries
+        it from one generation to the next on the same link (DraftSpacing.carried)."""
         self.link, self.drafter, self.request, self.budget = link, drafter, request, budget
         self.listener = listener or SilentListener()
         self.policy = policy
@@ -132,6 +141,7 @@ class SplitGeneration:
         # offline tokens verified per round
         self.max_chain = min(limits.max_tree_nodes, limits.max_tree_depth)
         self.lag = Lag(ahead)  # paced sessions: how far drafts reach (None: measured; 0: off)
+        self.spacing = spacing or DraftSpacing()
         self.result = GenerationResult()
         self.opened: Opened | None = None
         self.context: list[int] = []  # prompt + committed tokens
@@ -175,10 +185,12 @@ class SplitGeneration:
             self.result.bytes_down += stream.bytes_down
 
     def _open_request(self) -> OpenRequest:
+        request = replace(self.request, rows_paused=self.request.acks_rows
+                          and self.spacing.resting)
         if self.opened is None:
-            return self.request
+            return request
         o = self.opened
-        return replace(self.request, prompt_ids=o.prompt_ids, chat=None, acceptance=o.acceptance,
+        return replace(request, prompt_ids=o.prompt_ids, chat=None, acceptance=o.acceptance,
                        sampling=replace(self.request.sampling, seed=o.seed),
                        resume=Resume(o.session_id, tuple(self.context[len(o.prompt_ids):]),
                                      self.rows_held))
@@ -186,9 +198,11 @@ class SplitGeneration:
     async def _open(self, stream: DecodeStream, start: float) -> None:
         resuming = self.opened is not None
         timeout_s = self.link.config.resume_timeout_s if self._outage else None
+        sent = time.perf_counter()
         await stream.send(self._open_request(), timeout_s)
         opened: Opened = await _expect(stream, Opened, timeout_s)
         verdict: Verdict = await _expect(stream, Verdict, timeout_s)
+        server_s = (verdict.verify_ms + verdict.queue_ms) / 1000  # the prefill: no link time
         if self._outage is not None:
             self._link_back(opened, resuming)
         if resuming:
@@ -205,6 +219,7 @@ class SplitGeneration:
             self.drafter.follow_race(Race.of(opened.acceptance, opened.seed,
                                              self.request.sampling))
             self.result.ttft_s = time.perf_counter() - start
+            self.result.rtt_s = max(0.0, time.perf_counter() - sent - server_s)
         self._commit(verdict)
 
     @property
@@ -251,7 +266,7 @@ class SplitGeneration:
         """A server-paced session: the server runs forward after forward; the edge answers
         every Verdict with a draft from the new committed position, or only acknowledges it
         while its last draft still continues the text (the server re-roots it)."""
-        follower = DraftFollower(self.lag)
+        follower = DraftFollower(self.lag, self.spacing)
         await self._answer(stream, follower)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
@@ -409,7 +424,8 @@ class SplitGeneration:
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
                          budget: TreeBudget, listener: Listener | None = None,
                          policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                         ahead: int | None = 0) -> GenerationResult:
+                         ahead: int | None = 0, spacing: DraftSpacing | None = None
+                         ) -> GenerationResult:
     """Runs one generation to its end (see SplitGeneration)."""
     return await SplitGeneration(link, drafter, request, budget, listener, policy, limits,
-                                 ahead).run()
+                                 ahead, spacing).run()

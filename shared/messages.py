@@ -122,6 +122,7 @@ class OpenRequest:
     lead: int = 0  # tokens the server may run past the client's acknowledgement; 0: default
     trailing_rows: bool = False  # the client reads rows that follow a paced Verdict (wire.py)
     acks_rows: bool = False  # ... and acknowledges them (DraftRequest.rows_held)
+    rows_paused: bool = False  # ... and wants none until a draft says otherwise
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,8 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
                        stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings,
                        activations=_to_proto(ACTIVATIONS, msg.activations),
                        pace=_to_proto(PACE, msg.pace), lead=msg.lead,
-                       trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows)
+                       trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows,
+                       rows_paused=msg.rows_paused)
     if msg.chat is not None:
         open_msg.chat.messages.extend(
             pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -178,7 +179,8 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
                   resume=_resume_from_proto(msg.resume) if msg.HasField("resume") else None,
                   activations=_from_proto(ACTIVATIONS, msg.activations),
                   pace=_from_proto(PACE, msg.pace), lead=msg.lead,
-                  trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows)
+                  trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows,
+                  rows_paused=msg.rows_paused)
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from edge_client.following import (ACKS_PER_LEAD, FIRST_REST, MAX_REST, PATIENCE, DraftFollower,
-                                   DraftSpacing, Lag, drafted_ahead)
+from edge_client.following import (ACKS_PER_LEAD, CARRY_GENERATIONS, FIRST_REST, MAX_REST,
+                                   PATIENCE, DraftFollower, DraftSpacing, Lag, drafted_ahead)
+from edge_client.generate import GenerationResult
 from shared.drafting.pld import PromptLookupDrafter
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot
@@ -76,6 +77,33 @@ def test_overtaken_drafts_make_the_edge_rest_longer_up_to_a_bound():
     assert not spacing.resting and chances_until_a_draft(spacing) == 0
     spacing.missed()  # outside a rest a wrong draft says nothing
     assert not spacing.resting and chances_until_a_draft(spacing) == 0
+
+
+def test_the_next_generation_starts_resting_where_the_last_one_rested():
+    assert not DraftSpacing().carried(outpaced=True).resting  # it drafts at once
+    spacing = DraftSpacing()
+    for _ in range(PATIENCE + 1):
+        spacing.overtaken()
+    assert not spacing.carried(outpaced=False).resting  # a fast link: the rest was by chance
+    for _ in range(CARRY_GENERATIONS):
+        spacing = spacing.carried(outpaced=True)
+        assert spacing.resting  # it opens with the rows paused
+        assert chances_until_a_draft(spacing) == 2 * FIRST_REST  # as long as the next rest
+    assert not spacing.carried(outpaced=True).resting  # then one learns the link afresh
+    spacing = DraftSpacing()
+    for _ in range(PATIENCE):
+        spacing.overtaken()
+    spacing.earned()  # a draft earned, then the edge rested again before the end
+    for _ in range(PATIENCE):
+        spacing.overtaken()
+    assert spacing.resting and not spacing.carried(outpaced=True).resting
+
+
+@pytest.mark.parametrize("rtt_s, rounds, outpaced", [(0.1, 9, True), (0.01, 9, False),
+                                                     (0.1, 0, False)])
+def test_a_link_is_outpaced_when_its_round_trip_passes_a_forward(rtt_s, rounds, outpaced):
+    result = GenerationResult(rounds=rounds, verify_s=0.05 * (rounds + 1), rtt_s=rtt_s)
+    assert result.link_outpaced is outpaced
 
 
 def test_the_follower_rests_after_overtaken_drafts_and_not_after_wrong_ones():

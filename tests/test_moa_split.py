@@ -344,6 +344,55 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
     assert all(a + n == b for (a, n), (b, _) in zip(added, added[1:]))  # caught up in order
 
 
+def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
+        tiny_target, tiny_drafter_dir, tmp_path, monkeypatch):
+    """As above, with three generations on one client, which carries a rest one generation
+    (CARRY_GENERATIONS). The second opens resting (Open.rows_paused): no rows cross the link,
+    not even its prompt's, and it drafts only at probes. The third learns the link afresh.
+    Every text stays exact."""
+    from cloud_server import service
+    from cloud_server.server_decoding import ServerDecoder
+    from edge_client import following
+    from shared.draft_q import Proposal
+    from shared.tree import DraftTree
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(following, "CARRY_GENERATIONS", 1)
+    max_new = 48
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
+    plains = [plain_greedy(tiny_target, p, max_new) for p in prompts]
+    log: list[tuple] = []  # ("open", rows paused) | ("rows",) | ("draft",) as they happen
+
+    def propose(self, context, nodes):
+        log.append(("draft",))
+        prompt, plain = next((p, t) for p, t in zip(prompts, plains) if tuple(context[:5]) == p)
+        return DraftTree.chain(plain[len(context) - len(prompt):][:1])
+    monkeypatch.setattr(MoaDrafter, "propose", propose)
+    monkeypatch.setattr(ServerDecoder, "propose",
+                        lambda self, context: Proposal(DraftTree.chain([])))
+    real_serve = service.SplitDecodingService._serve_paced
+    monkeypatch.setattr(service.SplitDecodingService, "_serve_paced",
+                        lambda self, session, context, owner, first, paused: (
+                            log.append(("open", paused)),
+                            real_serve(self, session, context, owner, first, paused))[-1])
+    real_add = MoaDrafter.add_activations
+    monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
+        log.append(("rows",)), real_add(self, start, values))[-1])
+    limits = replace(LIMITS, max_new_tokens=max_new)
+    slow = NetworkConditions.symmetric(LinkProfile(delay_ms=25))
+    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server, \
+            ProxyThread(server.address, slow) as proxy:
+        results = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.SERVER),
+                      prompts=prompts)
+    assert [r.output_ids for r in results] == plains
+    opens = [i for i, e in enumerate(log) if e[0] == "open"]
+    assert [log[i] for i in opens] == [("open", False), ("open", True), ("open", False)]
+    first, second, third = log[opens[0]:opens[1]], log[opens[1]:opens[2]], log[opens[2]:]
+    assert ("rows",) in first and ("rows",) not in second and ("rows",) in third
+    assert second.count(("draft",)) < first.count(("draft",))  # probes only
+    assert results[1].bytes_down < results[0].bytes_down / 2
+
+
 def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tiny_drafter_dir,
                                                                 monkeypatch):
     """The stream breaks after the prefill's Verdict, before the prompt's rows that trail it:

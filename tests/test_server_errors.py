@@ -84,6 +84,8 @@ BAD_INPUTS = {
     "empty client message": ([pb.ClientMessage()], "INVALID_ARGUMENT", "no open"),
     "activations without a drafter": ([open_msg(activations=pb.ACTIVATION_FORMAT_FP16)],
                                       "INVALID_ARGUMENT", "no drafter"),
+    "rows paused, never acknowledged": ([open_msg(rows_paused=True, trailing_rows=True)],
+                                        "INVALID_ARGUMENT", "rows_paused needs"),
 }
 
 

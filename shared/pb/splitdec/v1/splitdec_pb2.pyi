@@ -195,7 +195,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations", "pace", "lead", "trailing_rows", "acks_rows")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations", "pace", "lead", "trailing_rows", "acks_rows", "rows_paused")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +209,7 @@ class Open(_message.Message):
     LEAD_FIELD_NUMBER: _ClassVar[int]
     TRAILING_ROWS_FIELD_NUMBER: _ClassVar[int]
     ACKS_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PAUSED_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
@@ -222,7 +223,8 @@ class Open(_message.Message):
     lead: int
     trailing_rows: bool
     acks_rows: bool
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ..., trailing_rows: _Optional[bool] = ..., acks_rows: _Optional[bool] = ...) -> None: ...
+    rows_paused: bool
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ..., trailing_rows: _Optional[bool] = ..., acks_rows: _Optional[bool] = ..., rows_paused: _Optional[bool] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("session_id", "generated_ids", "rows_held")
