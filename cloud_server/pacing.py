@@ -203,7 +203,8 @@ def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
 LOADED_WAIT_STEPS = 4  # AutoPace under load: the longest wait for a client's answer, in steps
 # AutoPace alone: the share of its token rate a session gives up to make fewer forwards. A
 # forward is the node's capacity even when no other session waits for it (measured on `lan`,
-# two runs of 12 prompts: 0.10 made 4% fewer forwards a token at 1.7% more tokens/s)
+# two A/B runs of 12 prompts: 0.10 made 4% fewer forwards a token at 1.7% more tokens/s; a
+# full benchmark run after it showed no change, within the ~5% that ratio moves between runs)
 FORWARD_THRIFT = 0.1
 # AutoPace: forwards with a fresh client draft it measures before it trusts gain_client. Until
 # then it waits (within half a step) for an answer due in time, to learn what drafts are worth
