@@ -17,7 +17,7 @@ from cloud_server.pacing import PacingPolicy
 from cloud_server.security import Security
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
-from shared import keepalive
+from shared import collector, keepalive
 from shared.signals import until_stopped
 from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind, Limits
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc
@@ -75,6 +75,7 @@ async def start(service: SplitDecodingService, host: str, port: int,
              else server.add_secure_port(f"{host}:{port}", credentials))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
+    collector.freeze_loaded()  # the model and drafter are loaded: no pass walks them again
     await server.start()
     service.start_reaper()
     for name in ("", SERVICE_NAME):

@@ -15,6 +15,7 @@ from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from edge_client.tokenizer import load_tokenizer
+from shared import collector
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
 from shared.messages import (
@@ -104,12 +105,13 @@ class EdgeClient:
             raise LinkError(f"the server at {self.link.address} does not unroll draft graphs: "
                             "update it, or leave out --draft-graphs")
         self.link.draft_graphs = self.options.draft_graphs
-        if self.options.mode is not Mode.SPLIT:
-            return self  # the server drafts, if anyone does
-        drafter = resolve_drafter(self.options.drafter, self.info)
-        self.options = replace(self.options, drafter=drafter)
-        self._drafters = await drafter_pool(drafter, self.link, self.info,
-                                            self.options.draft_graphs, self.options.race_aware)
+        if self.options.mode is Mode.SPLIT:  # else the server drafts, if anyone does
+            drafter = resolve_drafter(self.options.drafter, self.info)
+            self.options = replace(self.options, drafter=drafter)
+            self._drafters = await drafter_pool(drafter, self.link, self.info,
+                                                self.options.draft_graphs,
+                                                self.options.race_aware)
+        collector.freeze_loaded()  # the tokenizer and drafters: no pass walks them again
         return self
 
     async def __aexit__(self, *exc) -> None:
