@@ -12,7 +12,8 @@ from typing import Callable
 
 from cloud_server import recycling
 from cloud_server.recycling import RecyclingDrafter
-from cloud_server.session import ActivationSource, Session
+from cloud_server.activation_rows import ActivationSource
+from cloud_server.session import Session
 from cloud_server.target import TargetModel, Work
 from shared.drafting.budget import ALONE, Load, TreeBudget
 from shared.drafting import SERVER_DRAFTERS, make_drafter

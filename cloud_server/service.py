@@ -184,6 +184,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             raise OutOfOrder("no open session on this stream: the first message must be open")
         owner = object()  # this stream, as the session table knows it
         session, resumed = await self._attach(opening, owner, caller(context))
+        session.pause_rows(opening.rows_paused)  # a resumed session: as this stream asks
         try:
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
                      else await self.batcher.run(session.prefilling(), session.id))
@@ -338,6 +339,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                     inbox.put(msg, len(session.committed))
                     if msg.rows_held is not None:
                         outbox.held(msg.rows_held, msg.rows_paused)
+                        session.pause_rows(msg.rows_paused)
         finally:
             inbox.close()
 

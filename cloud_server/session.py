@@ -10,12 +10,13 @@ from __future__ import annotations
 import secrets
 import time
 import uuid
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
+from cloud_server.activation_rows import ActivationSource, RowKeeper
 from cloud_server.target import TargetModel, Work, keep_path
 from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
@@ -36,19 +37,6 @@ SuccessorsHook = Callable[[Sequence[int], np.ndarray], None]
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 16, 256
 
 
-class ActivationSource(Protocol):
-    """The server half of a drafter fed by activations (cloud_server/moa/activations.py)."""
-
-    @property
-    def hidden_layers(self) -> tuple[int, ...]:
-        """Target layers whose outputs it reads, captured during the forward; () for none."""
-
-    def __call__(self, cache: DynamicCache, start: int, end: int,
-                 hidden: torch.Tensor | None = None) -> np.ndarray:
-        """The rows of cache positions [start, end): [end - start, width]; hidden:
-        [end - start, L, width], those positions' captured layer outputs, or None."""
-
-
 class Session:
     def __init__(self, target: TargetModel, limits: Limits, request: OpenRequest,
                  activations: ActivationSource | None = None):
@@ -63,12 +51,9 @@ class Session:
         self._stop_ids = frozenset(target.stop_token_ids()) | self._extra_stop_ids(request)
         self._stop_strings = self._checked_stop_strings(request.stop_strings)
         self.committed: list[int] = list(self.prompt_ids) + self._history(request)
-        self._activation_format = request.activations
         if request.activations is not None and activations is None:
             raise InvalidRequest(f"this server has no drafter for {target.model_id} and sends "
                                  "no activations: choose a drafter that needs none")
-        self._activation_source = activations
-        self._rows = np.zeros((0, 0), dtype=np.float16)  # [cached positions, width]
         self.pace = request.pace or Pace.LOCKSTEP  # resolved by the service's pacing policy
         self.lead = request.lead
         self.trailing_rows = request.trailing_rows  # paced: rows may follow a Verdict
@@ -76,6 +61,8 @@ class Session:
         if request.rows_paused and not self.acks_rows:
             raise InvalidRequest("rows_paused needs trailing_rows and acks_rows: only a client "
                                  "that acknowledges rows can ask for them again")
+        self._row_keeper = None if activations is None or request.activations is None else (
+            RowKeeper(activations, request.activations, request.rows_paused and self.paced))
         self.rounds = 0
         # Raised by each takeover (a resume): paced work handed in under an older epoch runs
         # no forward (PacedDecoder.stepping), so nothing is committed behind a catch-up.
@@ -268,29 +255,29 @@ class Session:
             queue_ms=0.0 if queued_at is None else 1000 * (start - queued_at),
             verify_ms=1000 * (time.perf_counter() - start), draft_id=draft_id)
 
+    @property
+    def paced(self) -> bool:
+        return self.pace is not Pace.LOCKSTEP
+
+    def pause_rows(self, paused: bool) -> None:
+        """The edge wants no activation rows for now (Draft.rows_paused), or wants them again:
+        the next Verdict then carries every row the pause held back. Paced sessions only; in
+        lock-step the edge drafts from the rows of every Verdict."""
+        if self._row_keeper is not None and self.paced:
+            self._row_keeper.paused = paused
+
     def _captured_layers(self) -> tuple[int, ...]:
         """The target layers whose outputs the activation source reads, if it needs any."""
-        source = self._activation_source
-        if source is None or self._activation_format is None:
-            return ()
-        return source.hidden_layers
+        return () if self._row_keeper is None else self._row_keeper.source.hidden_layers
 
     def _keep_rows(self, start: int, hidden: torch.Tensor | None) -> None:
-        """Computes the activation rows of cache positions start.. after a forward and keeps
-        them with the committed text's; `hidden` [cached positions from start, L, width]: their
-        captured layer outputs, if the source reads any."""
-        source = self._activation_source
-        if source is None or self._activation_format is None:
-            return
-        end = self._kv.get_seq_length()
-        rows = source(self._kv, start, end, hidden)  # [end - start, width]
-        kept = self._rows[:start] if len(self._rows) else rows[:0]
-        self._rows = np.concatenate((kept, rows))
+        """Cache positions start.. are verified; `hidden` [cached positions from start, L,
+        width]: their captured layer outputs, if the source reads any."""
+        if self._row_keeper is not None:
+            self._row_keeper.verified(start, self._kv.get_seq_length(), hidden)
 
     def _activations(self, first: int) -> ActivationRows | None:
-        if self._activation_format is None or first >= len(self._rows):
-            return None
-        return ActivationRows(first, self._rows[first:], self._activation_format)
+        return None if self._row_keeper is None else self._row_keeper.taken(self._kv, first)
 
     def _q_rows(self, tree: DraftTree, q: tuple[NodeQ, ...]) -> QRows | None:
         if self.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
