@@ -284,12 +284,14 @@ class AutoPace:
 
     def answered(self, acked: int, at: float) -> None:
         """The client has acknowledged length `acked` (received at `at`): measures its reply
-        time to that Verdict and forgets the older ones."""
+        time to that Verdict and forgets the older ones (called every forward; a resting edge
+        answers seldom, so nothing is rebuilt until it does)."""
         sent = self._sent_at.get(acked)
-        if sent is not None:
-            if self.reply_s is not None:
-                self.reply_spread_s = _ema(self.reply_spread_s, abs(at - sent - self.reply_s))
-            self.reply_s = _ema(self.reply_s, at - sent)
+        if sent is None:
+            return
+        if self.reply_s is not None:
+            self.reply_spread_s = _ema(self.reply_spread_s, abs(at - sent - self.reply_s))
+        self.reply_s = _ema(self.reply_s, at - sent)
         self._sent_at = {n: t for n, t in self._sent_at.items() if n > acked}
 
     def forwarded(self, tokens: int, fresh: bool, step_s: float) -> None:
