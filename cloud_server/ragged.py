@@ -23,6 +23,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from cloud_server.gqa_attention import grouped
+
 # A 4D attention_mask makes transformers skip building its own mask; the real masks are
 # RaggedCache's, one per session.
 PLACEHOLDER_MASK = torch.zeros(1, 1, 1, 1)
@@ -77,8 +79,9 @@ def _per_session(attention: Callable[..., tuple[torch.Tensor, Any]]):
 
 
 def install(model: Any) -> bool:
-    """Lets `model` run ragged forwards; False where it cannot (an attention implementation
-    outside transformers' interface, or a model that does not dispatch through it)."""
+    """Lets `model` run ragged forwards, and sdpa attention group its query heads in the
+    kernel (gqa_attention.py); False where it cannot (an attention implementation outside
+    transformers' interface, or a model that does not dispatch through it)."""
     original = model.config._attn_implementation
     if original.startswith("splitdec_ragged_"):
         return True
@@ -87,7 +90,10 @@ def install(model: Any) -> bool:
     if not model._can_set_attn_implementation():
         return False
     name = f"splitdec_ragged_{original}"
-    AttentionInterface.register(name, _per_session(ALL_ATTENTION_FUNCTIONS[original]))
+    attention = ALL_ATTENTION_FUNCTIONS[original]
+    if original == "sdpa":
+        attention = grouped(attention)
+    AttentionInterface.register(name, _per_session(attention))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
     model.set_attn_implementation(name)
     return model.config._attn_implementation == name
