@@ -16,6 +16,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -74,7 +75,10 @@ def padded(target: TargetModel, jobs: list[ForwardJob]) -> None:
                        layer.values[i: i + 1, :, longest: longest + q])
 
 
-def measure(target: TargetModel, sessions: int, nodes: int, repeat: int) -> dict[str, float]:
+def sessions_with_trees(target: TargetModel, sessions: int, nodes: int
+                        ) -> tuple[Callable[[], list[ForwardJob]], Callable[[], None]]:
+    """`sessions` prefilled sessions (random prompts of 100-500 tokens): a function giving
+    each session's job verifying a tree of `nodes`, and one rewinding them to the prompt."""
     rng = np.random.default_rng(sessions * 100 + nodes)
     vocab = target.vocab_size
     prompts = [[int(t) for t in rng.integers(100, vocab, int(n))]
@@ -89,6 +93,11 @@ def measure(target: TargetModel, sessions: int, nodes: int, repeat: int) -> dict
         for cache, prompt in zip(caches, prompts):
             keep_path(cache, len(prompt) - 1, ())
 
+    return jobs, rewind
+
+
+def measure(target: TargetModel, sessions: int, nodes: int, repeat: int) -> dict[str, float]:
+    jobs, rewind = sessions_with_trees(target, sessions, nodes)
     ways = {"one per session": lambda: [target.run([job]) for job in jobs()],
             "ragged (ours)": lambda: target.run(jobs()),
             "padded copy": lambda: padded(target, jobs())}
