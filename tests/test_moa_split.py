@@ -393,6 +393,47 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
     assert results[1].bytes_down < results[0].bytes_down / 2
 
 
+def test_rows_an_edge_paused_come_in_one_piece_when_it_asks_again(
+        moa_server, tiny_target, tmp_path, monkeypatch):
+    """The edge pauses the rows for a stretch of the answer, then asks again. The server
+    computes none meanwhile (cloud_server/activation_rows.py) and the first Verdict after
+    carries them all, from one call of the server half: the edge's drafter gets every row, in
+    order, and the text stays exact. (Computed after each forward, no call would cover more
+    than the pending token and the 4 nodes a forward verifies here.)"""
+    from cloud_server.activation_rows import RowKeeper
+    from cloud_server.server_decoding import ServerDecoder
+    from edge_client.generate import SplitGeneration
+    from shared.draft_q import Proposal
+    from shared.tree import DraftTree
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(ServerDecoder, "propose",
+                        lambda self, context: Proposal(DraftTree.chain([])))
+    prompt, max_new = PROMPTS[0], 48
+    pause = range(len(prompt) + 8, len(prompt) + 28)  # committed lengths the edge rests at
+    real_answer = SplitGeneration._answer
+
+    async def answer(self, stream, follower):
+        follower.spacing._resting = len(self.context) in pause
+        await real_answer(self, stream, follower)
+    monkeypatch.setattr(SplitGeneration, "_answer", answer)
+    computed: list[tuple[int, int]] = []
+    real_compute = RowKeeper._compute
+    monkeypatch.setattr(RowKeeper, "_compute", lambda self, cache: (
+        self._pending and computed.append((self._pending[0][0], self._pending[-1][1])),
+        real_compute(self, cache))[-1])
+    added: list[tuple[int, int]] = []
+    real_add = MoaDrafter.add_activations
+    monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
+        added.append((start, len(values))), real_add(self, start, values))[-1])
+    options = ClientOptions("moa", 4, max_new, pace=Pace.SERVER, lead=4)
+    result, = run(moa_server.address, options, prompts=[prompt])
+    assert result.output_ids == plain_greedy(tiny_target, prompt, max_new)
+    assert max(end - start for start, end in computed) > 8
+    assert added[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(added, added[1:]))
+    assert sum(n for _, n in added) >= pause.stop  # past the pause, nothing missing
+
+
 def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tiny_drafter_dir,
                                                                 monkeypatch):
     """The stream breaks after the prefill's Verdict, before the prompt's rows that trail it:
