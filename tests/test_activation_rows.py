@@ -108,4 +108,7 @@ def test_a_paced_session_opened_resting_sends_the_same_rows_once_asked(tiny_targ
     resting.pause_rows(False)
     caught_up = resting.advance(Proposal(PLAIN)).activations
     expected = np.concatenate([v.activations.values for v in sent])
-    assert caught_up.start == 0 and np.array_equal(caught_up.values, expected)
+    # Computed in one call over all nine positions, not over five then one at a time: the
+    # matmuls block differently, and a CPU can round the last fp16 bit of a few values apart.
+    assert caught_up.start == 0 and caught_up.values.shape == expected.shape
+    np.testing.assert_allclose(caught_up.values, expected, rtol=2 ** -9, atol=1e-6)
