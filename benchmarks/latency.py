@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
                    help="comma-separated, from: plain-api, server-spec, "
                         + ", ".join(SPLIT_PACES))
     p.add_argument("--outage-profile", default="4g")
-    p.add_argument("--outage-s", type=float, default=3.0)
+    p.add_argument("--outage-s", type=float, default=3.0, help="0: no outage runs")
     p.add_argument("--outage-max-new-tokens", type=int, default=192,
                    help="the outage runs' answer length: long enough that the outage, 2 s in, "
                         "falls inside the answer (64 tokens took 1.9 s on `4g` here)")
@@ -268,13 +268,14 @@ def main() -> None:
         for profile in args.profiles.split(","):
             records += asyncio.run(run_profile(address, profile, items, args))
         outages = [asyncio.run(outage_cost(address, items[0], args, mode))
-                   for mode in (OutageMode.CUT, OutageMode.BLACKHOLE)]
+                   for mode in (OutageMode.CUT, OutageMode.BLACKHOLE) if args.outage_s > 0]
     rows = summarize(records)
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
               f"new tokens max, split drafter {args.drafter}, server-spec drafter "
               f"{SERVER_DRAFTER}; {machine()}; {placement(args)}\n\n")
-    text = (header + render(rows) + "\n\n" + render_outages(outages, args.outage_profile,
-                                                                args.outage_max_new_tokens) + "\n")
+    text = header + render(rows) + "\n"
+    if outages:
+        text += "\n" + render_outages(outages, args.outage_profile, args.outage_max_new_tokens) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)
