@@ -1,8 +1,9 @@
 """What one server-paced forward verifies: the client's freshest draft, re-rooted at the
 committed position, merged with the server's own candidates (docs/architecture.md, "Pacing").
 
-The client's nodes come first in the merged tree, so the Verdict can name the accepted ones by
-their index in the re-rooted draft. Under acceptance sampled-drafts a tree must carry the q its
+Whose nodes come first in the merged tree, and so survive the tree budget, is learned per
+session (`Precedence`); the Verdict names the client's accepted nodes by their index in the
+re-rooted draft either way. Under acceptance sampled-drafts a tree must carry the q its
 children were drawn from, and a merge of two drafters' draws has none: the client's draft is
 then verified alone, and the server's own drawn tree only when no client draft fits. Runs on
 the model thread; knows nothing of gRPC.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+from cloud_server.pacing import Forwarded
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
 from cloud_server.target import Work
@@ -30,9 +32,10 @@ class PacedDecoder:
         # Sizes the merged tree: a stale client draft's nodes cost verify time whether or not
         # they are accepted, and on a CPU server a tree costs clearly more than one token.
         self._budget = TreeBudget(verify_costs, session.limits.max_tree_nodes)
+        self._precedence = Precedence()
 
     def stepping(self, draft: DraftRequest | None, queued_at: float, epoch: int
-                 ) -> Work[Verdict | None]:
+                 ) -> Work[Forwarded | None]:
         """One forward; None, and no forward, when a resume took the session over after this
         work was handed in under `epoch` (the check runs on the model thread, in the same call
         as the forward, so a catch-up never misses what it commits)."""
@@ -46,18 +49,51 @@ class PacedDecoder:
             own = self.own.propose(context)
             # The Verdict names the client's accepted nodes only (none here): the edge counts
             # what its drafts earned from it. The server's drafter learns from its own path.
-            verdict = yield from self.session.advancing(own, queued_at, client_nodes=0)
+            verdict = yield from self.session.advancing(own, queued_at, names_nodes=False)
             mine = replace(verdict, accepted_nodes=tuple(own.tree.walk(verdict.tokens[:-1])))
             self.own.learn(context, own.tree, mine, start)
-            return verdict
-        tree = client.proposal.tree
-        if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
-            # Any tree is lossless under these rules; a sampled one must stay as drawn.
-            tree = tree.merged(self.own.propose(context).tree, self.session.limits.max_tree_nodes)
-            tree = tree.prefix(self._budget.nodes(self.own.load()))
-        verdict = yield from self.session.advancing(
-            Proposal(tree, client.proposal.q), queued_at, draft.round_id,
-            min(len(client.proposal.tree), len(tree)))
-        self._budget.observe(len(tree), tree.walk(verdict.tokens[:-1]), verdict.verify_ms,
-                             verdict.verify_ms)
-        return verdict
+            return Forwarded(verdict, len(verdict.tokens))
+        if self.session.acceptance is AcceptanceMode.SAMPLED_DRAFTS:
+            # Any tree is lossless under the other rules; a sampled one must stay as drawn.
+            verdict = yield from self.session.advancing(client.proposal, queued_at,
+                                                        draft.round_id)
+            return Forwarded(verdict, None)
+        client_tree, own_tree = client.proposal.tree, self.own.propose(context).tree
+        first, second = ((own_tree, client_tree) if self._precedence.own_first()
+                         else (client_tree, own_tree))
+        tree = first.merged(second, self.session.limits.max_tree_nodes)
+        tree = tree.prefix(self._budget.nodes(self.own.load()))
+        verdict = yield from self.session.advancing(Proposal(tree), queued_at, draft.round_id,
+                                                    names_nodes=False)
+        said = verdict.tokens[:-1]
+        self._budget.observe(len(tree), tree.walk(said), verdict.verify_ms, verdict.verify_ms)
+        # The target's tokens are what they are: either tree alone would have had accepted as
+        # much of them as it follows (and the forward's own token after that). What the
+        # client's follows are its accepted nodes, wherever the merge put them.
+        client_path, own_path = client_tree.walk(said), own_tree.walk(said)
+        self._precedence.observe(len(client_path), len(own_path))
+        return Forwarded(replace(verdict, accepted_nodes=tuple(client_path)), len(own_path) + 1)
+
+
+class Precedence:
+    """Whose nodes go first in a merged tree, the client's or the server's own: the nodes that
+    go second are the ones the tree budget cuts. By default the client's, so a draft the edge
+    spent its time on is verified whole; once the server's own trees follow more of the
+    committed text in the same forwards, the server's. Measured on `lan` with prompt lookup
+    on the edge: drafts that were wrong from their first node took the budget from the
+    server's candidates, and forwards with a fresh draft committed 1.8 tokens where the
+    server's tree alone would have committed 2.3."""
+
+    def __init__(self, memory: float = 0.8):
+        self._memory = memory
+        self._client = 0.0  # running means of the tokens each tree alone follows
+        self._own = 0.0
+
+    def own_first(self) -> bool:
+        return self._own > self._client
+
+    def observe(self, client: int, own: int) -> None:
+        """In a forward that merged both: how far each tree followed the committed tokens."""
+        keep = self._memory
+        self._client = keep * self._client + (1 - keep) * client
+        self._own = keep * self._own + (1 - keep) * own

@@ -218,12 +218,18 @@ class AutoPace:
     """When to wait for the client's answer to the latest Verdict before the next forward.
 
     A forward with a fresh client draft commits `gain_client` tokens on average in
-    `client_step_s`, one without `gain_server` in `step_s` (the merged tree of a fresh draft is
-    larger, and on a CPU server a larger tree costs clearly more). Waiting w for the draft pays
-    when gain_client / (w + client_step_s) > t * gain_server / step_s, i.e.
-    w < gain_client * step_s / (t * gain_server) - client_step_s, where t = 1 - FORWARD_THRIFT:
-    a wait that costs the session a little of its token rate still saves the node a forward
-    (a forward waited for commits more tokens). All six are measured per session;
+    `client_step_s`; without the draft it would have committed `gain_alone` (what the server's
+    own tree follows of the same forwards' tokens), and one without a fresh draft takes
+    `step_s` (the merged tree of a fresh draft is larger, and on a CPU server a larger tree
+    costs clearly more). Waiting w for the draft pays when
+    gain_client / (w + client_step_s) > t * gain_alone / step_s, i.e.
+    w < gain_client * step_s / (t * gain_alone) - client_step_s, where
+    t = 1 - min(FORWARD_THRIFT, 1 - gain_alone / gain_client): a wait that costs the session a
+    little of its token rate still saves the node a forward, but never more of the rate than
+    the share of forwards it saves. gain_alone is measured in the same forwards rather than
+    taken from the forwards without a draft (`gain_server`, used until it is measured): the
+    forwards a draft comes for are not a fair sample (a prompt-lookup edge drafts where the
+    text repeats, where the server's own candidates do well too). All are measured per session;
     a session waits for nothing before it has measured how long the client takes to answer
     (before, it waited half a step a forward for the first round trip: 1.2 s on `satellite`),
     and only for an answer that comes in time reliably (`wait_s`). The wait is capped at half a
@@ -253,6 +259,9 @@ class AutoPace:
     reply_spread_s: float = 0.0  # mean distance of a reply time from reply_s
     gain_client: float = 2.0
     gain_server: float = 1.2
+    # In the forwards with a fresh client draft: what the server's own candidates alone would
+    # have committed (None: not measured)
+    gain_alone: float | None = None
     fresh_forwards: int = 0  # measured forwards with a fresh client draft
     _sent_at: dict[int, float] = field(default_factory=dict)
 
@@ -260,15 +269,27 @@ class AutoPace:
         step = self.step_s or 0.03
         if self.fresh_forwards < LEARNING_FORWARDS:
             return step / 2
-        server_rate = (1 - FORWARD_THRIFT) * self.gain_server / step
+        # The share of its token rate the session gives up is at most the share of forwards
+        # the wait saves: for drafts that add next to nothing, none (measured on `lan` with
+        # prompt lookup on the edge: a flat 10% had auto wait 4 ms a forward, 5% of the
+        # generation, for drafts that added 0.01 tokens a forward)
+        saved = 1 - self.without_draft() / self.gain_client
+        if saved <= 0:
+            return 0.0
+        server_rate = (1 - min(FORWARD_THRIFT, saved)) * self.without_draft() / step
         worth = self.gain_client / server_rate - (self.client_step_s or step)
         return min(step / 2, max(0.0, worth))
+
+    def without_draft(self) -> float:
+        """What a forward the server does not wait for commits: gain_alone once measured."""
+        return self.gain_server if self.gain_alone is None else self.gain_alone
+
 
     def wait_s(self, committed: int, now: float, busy: bool = False) -> float:
         """How long to wait now for the answer to the Verdict that made `committed`; `busy`:
         other sessions have work on the model."""
         allowance = self.allowance_s()
-        if busy and self.gain_client > self.gain_server:
+        if busy and self.gain_client > self.without_draft():
             allowance = (self.step_s or 0.03) * LOADED_WAIT_STEPS
         sent = self._sent_at.get(committed)
         if sent is None or self.reply_s is None:  # no evidence the answer comes in time
@@ -294,18 +315,33 @@ class AutoPace:
         self.reply_s = _ema(self.reply_s, at - sent)
         self._sent_at = {n: t for n, t in self._sent_at.items() if n > acked}
 
-    def forwarded(self, tokens: int, fresh: bool, step_s: float) -> None:
+    def forwarded(self, tokens: int, fresh: bool, step_s: float, alone: int | None = None
+                  ) -> None:
+        """A forward committed `tokens` in `step_s`, `alone` of them the server's own
+        candidates would have (None: unknown); `fresh`: with a fresh client draft."""
         if fresh:
             self.fresh_forwards += 1
             self.gain_client = _ema(self.gain_client, tokens)
             self.client_step_s = _ema(self.client_step_s, step_s)
+            if alone is not None:
+                self.gain_alone = _ema(self.gain_alone, alone)
         else:
             self.gain_server = max(1.0, _ema(self.gain_server, tokens))
             self.step_s = _ema(self.step_s, step_s)
 
 
+@dataclass(frozen=True)
+class Forwarded:
+    """A paced forward's Verdict, and the tokens the server's own candidates alone would have
+    committed in it (None: unknown, a client draft verified alone), which AutoPace sets
+    against what the forward committed to learn what a client draft adds."""
+
+    verdict: Verdict
+    alone: int | None
+
+
 # None: the session was taken over before the forward could run
-Forward = Callable[[DraftRequest | None, float], Awaitable[Verdict | None]]
+Forward = Callable[[DraftRequest | None, float], Awaitable[Forwarded | None]]
 
 
 async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
@@ -331,13 +367,14 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
         if finished():  # while it waited, another stream may have taken the session over
             break
         was_fresh, start = fresh(), time.perf_counter()
-        verdict = await forward(inbox.draft, start)
-        if verdict is None:
+        forwarded = await forward(inbox.draft, start)
+        if forwarded is None:
             break
+        verdict = forwarded.verdict
         inbox.used(verdict.draft_id)
         if auto is not None:
             auto.forwarded(len(verdict.tokens), was_fresh and verdict.draft_id > 0,
-                           time.perf_counter() - start)
+                           time.perf_counter() - start, forwarded.alone)
         await send(verdict)
         # One turn of the loop lets the outbox serialize and hand the Verdict to gRPC before
         # the next forward starts, as a server-only generation does: done during the forward,

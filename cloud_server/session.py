@@ -217,15 +217,15 @@ class Session:
                                           draft.round_id))
 
     def advance(self, proposal: Proposal, queued_at: float | None = None, draft_id: int = 0,
-                client_nodes: int | None = None) -> Verdict:
-        return self.target.drive(self.advancing(proposal, queued_at, draft_id, client_nodes))
+                names_nodes: bool = True) -> Verdict:
+        return self.target.drive(self.advancing(proposal, queued_at, draft_id, names_nodes))
 
     def advancing(self, proposal: Proposal, queued_at: float | None = None, draft_id: int = 0,
-                  client_nodes: int | None = None) -> Work[Verdict]:
+                  names_nodes: bool = True) -> Work[Verdict]:
         """Verifies a tree (a client's, validated; or the server's own; empty: a plain decoding
         step), with the q its drafts were sampled from under acceptance sampled-drafts. The
-        tree's first `client_nodes` nodes (all when None) come from client draft `draft_id`;
-        the Verdict names only those among the accepted nodes."""
+        Verdict names the accepted nodes unless `names_nodes` is False (a tree that is not
+        client draft `draft_id` as drawn: the caller names the client's nodes)."""
         tree = proposal.tree
         q_rows = self._q_rows(tree, proposal.q)
         start = time.perf_counter()
@@ -239,8 +239,7 @@ class Session:
         kept = [0, *(1 + i for i in acceptance.accepted_nodes)]  # the inputs left in the cache
         self._keep_rows(base, None if job.hidden is None else job.hidden[kept])
         tokens = self._commit(acceptance.tokens)
-        limit = len(tree) if client_nodes is None else client_nodes
-        accepted = tuple(i for i in acceptance.accepted_nodes[: len(tokens)] if i < limit)
+        accepted = acceptance.accepted_nodes[: len(tokens)] if names_nodes else ()
         return self._verdict(accepted, tokens, base, start, queued_at, draft_id)
 
     def _verdict(self, accepted: tuple[int, ...], tokens: tuple[int, ...], first_row: int,

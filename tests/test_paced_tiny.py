@@ -96,7 +96,7 @@ def test_a_forward_without_a_client_draft_credits_the_client_with_nothing(tiny_t
     session.prefill()
     verdicts = []
     while not session.finished:
-        verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter(), 0)))
+        verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter(), 0)).verdict)
     assert sum(len(v.tokens) for v in verdicts) > len(verdicts)  # lookups were accepted
     assert all(v.accepted_nodes == () for v in verdicts)
 
@@ -121,3 +121,52 @@ def test_work_handed_in_before_a_takeover_runs_no_forward(tiny_target):
     assert tiny_target.drive(work) is None and session.committed == committed
     assert tiny_target.drive(decoder.stepping(None, time.perf_counter(), session.epoch))
     assert len(session.committed) > len(committed)
+
+
+def _decoder_after_prefill(tiny_target, own: str | None):
+    from cloud_server.paced_decoder import PacedDecoder
+    from cloud_server.server_decoding import ServerDecoder, own_drafter
+    from cloud_server.session import Session
+    from shared.messages import OpenRequest
+
+    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(PROMPTS[1]),
+                                                         max_new_tokens=MAX_NEW))
+    decoder = PacedDecoder(session, ServerDecoder(session, own_drafter(own, Limits()), 0, ()), ())
+    session.prefill()
+    return session, decoder
+
+
+def _step(tiny_target, decoder, draft_id: int, tree):
+    import time
+
+    from shared.messages import DraftRequest
+    draft = DraftRequest(draft_id, len(decoder.session.committed), tree)
+    return tiny_target.drive(decoder.stepping(draft, time.perf_counter(),
+                                              decoder.session.epoch))
+
+
+@pytest.mark.parametrize("wrong_forwards", [0, 6])
+def test_a_verdict_names_the_clients_accepted_nodes_wherever_the_merge_put_them(
+        tiny_target, wrong_forwards):
+    """After drafts wrong from their first node, the server's own candidates go first in the
+    merged tree (Precedence); a right draft after that still gets its nodes named by their
+    index in the draft, and `alone` says what the server's tree alone would have committed."""
+    from shared.tree import DraftTree
+
+    session, decoder = _decoder_after_prefill(tiny_target, "pld")
+    truth = plain_greedy(tiny_target, PROMPTS[1], MAX_NEW)
+    for n in range(1, wrong_forwards + 1):
+        at = len(session.committed) - len(PROMPTS[1])
+        wrong = (truth[at] + 1) % tiny_target.vocab_size
+        assert _step(tiny_target, decoder, n, DraftTree.chain([wrong])).verdict.accepted_nodes == ()
+    assert decoder._precedence.own_first() is (wrong_forwards > 0)
+    at = len(session.committed) - len(PROMPTS[1])
+    # A wrong first child, then the right chain below a sibling: the accepted nodes are 1, 2
+    tree = DraftTree(((truth[at] + 1) % tiny_target.vocab_size, truth[at], truth[at + 1]),
+                     (-1, -1, 1))
+    forwarded = _step(tiny_target, decoder, wrong_forwards + 1, tree)
+    verdict = forwarded.verdict
+    assert verdict.tokens[:2] == (truth[at], truth[at + 1])
+    assert verdict.accepted_nodes == (1, 2) and verdict.draft_id == wrong_forwards + 1
+    assert 1 <= forwarded.alone <= len(verdict.tokens)
+    assert session.committed[len(PROMPTS[1]):] == truth[:len(session.committed) - len(PROMPTS[1])]
