@@ -284,7 +284,6 @@ class AutoPace:
         """What a forward the server does not wait for commits: gain_alone once measured."""
         return self.gain_server if self.gain_alone is None else self.gain_alone
 
-
     def wait_s(self, committed: int, now: float, busy: bool = False) -> float:
         """How long to wait now for the answer to the Verdict that made `committed`; `busy`:
         other sessions have work on the model."""
