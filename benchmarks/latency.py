@@ -157,6 +157,7 @@ def summarize(records: list[dict]) -> list[dict]:
                    "bytes_per_token": sum(r["bytes"] for r in group) / tokens,
                    "draft_ms_per_token": sum(r["draft_ms"] for r in group) / tokens,
                    "link_bound": None, "identical": _identical(records, profile, method),
+                   "vs_server_spec": paired_ratio(records, profile, method, "server-spec"),
                    "client_share": (sum(r["accepted_tokens"] for r in group) / tokens
                                     if method in SPLIT_PACES else None)}
             if method == "split-lockstep":
@@ -166,6 +167,23 @@ def summarize(records: list[dict]) -> list[dict]:
                 row["link_bound"] = tau / (group[0]["rtt_ms"] / 1000 + verify_s)
             rows.append(row)
     return rows
+
+
+def paired_ratio(records: list[dict], profile: str, method: str, baseline: str
+                 ) -> tuple[float, float, float] | None:
+    """`method`'s tokens/s over `baseline`'s on the same prompt, as a geometric mean over the
+    prompts with a 95% bootstrap interval (None: either is missing, or it is the baseline).
+    Each prompt ran every method back to back, so the VM's drift between prompts cancels and
+    the interval says whether a difference is more than this run's noise."""
+    base = {r["id"]: r for r in _group(records, profile, baseline)}
+    pairs = [(r, base[r["id"]]) for r in _group(records, profile, method) if r["id"] in base]
+    if method == baseline or len(pairs) < 2:
+        return None
+    logs = np.log([(len(r["output_ids"]) / r["wall_s"]) / (len(b["output_ids"]) / b["wall_s"])
+                   for r, b in pairs])
+    means = np.random.default_rng(0).choice(logs, (10_000, len(logs))).mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return float(np.exp(logs.mean())), float(np.exp(low)), float(np.exp(high))
 
 
 def _group(records: list[dict], profile: str, method: str) -> list[dict]:
@@ -202,7 +220,8 @@ async def outage_cost(address: str, item: dict, args, mode: OutageMode) -> dict:
 def render(rows: list[dict]) -> str:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     body = [(r["profile"], f"{r['rtt_ms']:g}", r["method"], fmt(r["tokens_per_s"], ".1f"),
-             fmt(r["vs_plain_api"], ".2f") + "x", fmt(r["ttft_ms"], ".0f"),
+             fmt(r["vs_plain_api"], ".2f") + "x", _interval(r["vs_server_spec"]),
+             fmt(r["ttft_ms"], ".0f"),
              fmt(r["itl_p50_ms"], ".0f"), fmt(r["itl_p95_ms"], ".0f"),
              fmt(r["calls_per_token"], ".3f"), fmt(r["forwards_per_token"], ".2f"),
              fmt(r["bytes_per_token"], ".0f"), fmt(r["draft_ms_per_token"], ".1f"),
@@ -210,10 +229,15 @@ def render(rows: list[dict]) -> str:
              fmt(r["link_bound"], ".1f") if r["link_bound"] is None
              else f"{r['link_bound']:.1f} ({r['tokens_per_s'] / r['link_bound']:.0%})",
              r["identical"]) for r in rows]
-    return markdown_table(("link", "RTT ms", "method", "tok/s", "vs plain API", "TTFT ms",
+    return markdown_table(("link", "RTT ms", "method", "tok/s", "vs plain API",
+                           "vs server-spec per prompt (95% CI)", "TTFT ms",
                            "ITL p50 ms", "ITL p95 ms", "calls/token", "target fwd/token",
                            "bytes/token", "edge drafting ms/token", "client-drafted", "lockstep link bound tok/s "
                            "(reached)", "same text"), body)
+
+
+def _interval(ratio: tuple[float, float, float] | None) -> str:
+    return "-" if ratio is None else "{:.3f} [{:.3f}, {:.3f}]".format(*ratio)
 
 
 def render_outages(rows: list[dict], profile: str, tokens: int) -> str:
