@@ -109,6 +109,15 @@ def test_auto_sets_a_draft_against_what_the_same_forwards_would_have_committed_a
     assert auto.wait_s(10, now=0.0) == pytest.approx(0.005)
 
 
+def test_the_first_measured_draft_replaces_the_prior():
+    """Drafts that add nothing, measured in the learning forwards: auto then waits for none,
+    instead of carrying the prior's 2.0 tokens a draft into its running mean."""
+    auto = AutoPace(step_s=0.07, client_step_s=0.07, reply_s=0.02)
+    for _ in range(LEARNING_FORWARDS):
+        auto.forwarded(tokens=1, fresh=True, step_s=0.07, alone=1)
+    assert auto.gain_client == 1.0 and auto.allowance_s() == 0.0
+
+
 def test_auto_waits_to_learn_what_drafts_are_worth_before_it_trusts_its_prior():
     """A prior that says drafts do not pay must not keep auto from ever measuring them: the
     edge's unused drafts would be overtaken and it would rest, unmeasured."""
@@ -361,3 +370,33 @@ def test_auto_waits_for_no_answer_from_a_resting_client():
         return waits
     assert asyncio.run(go(resting=False))
     assert not asyncio.run(go(resting=True))
+
+
+def test_auto_stops_waiting_for_answers_that_bring_no_draft():
+    """A client that answers every Verdict in 3 ms, but never with a draft (prompt lookup with
+    no match): auto waits for its answers while it learns, then no more: each answer it
+    waited for added nothing to the forward after it."""
+    async def go() -> list[float]:
+        committed, waits = [10], []
+        inbox = Inbox(acked=10)
+        wait = inbox.wait
+
+        async def recorded(ready, timeout_s: float | None) -> bool:
+            if timeout_s:  # a wait for the client's answer, not for the lead
+                waits.append(timeout_s)
+            return await wait(ready, timeout_s)
+        inbox.wait = recorded  # type: ignore[method-assign]
+
+        async def forward(draft, queued_at) -> Forwarded:
+            await asyncio.sleep(0.02)
+            committed[0] += 1
+            return Forwarded(Verdict(committed[0], (), (1,), committed[0]), 1)
+
+        async def send(verdict: Verdict) -> None:
+            n = verdict.committed_length
+            asyncio.get_running_loop().call_later(
+                0.003, inbox.put, DraftRequest(n, n, DraftTree((), ())), n)
+        await run_paced(lambda: committed[0], lambda: committed[0] >= 40, inbox, forward, send,
+                        Pace.AUTO, lead=64)
+        return waits
+    assert 1 <= len(asyncio.run(go())) <= LEARNING_FORWARDS + 1
