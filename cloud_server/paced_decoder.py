@@ -82,7 +82,9 @@ class Precedence:
     committed text in the same forwards, the server's. Measured on `lan` with prompt lookup
     on the edge: drafts that were wrong from their first node took the budget from the
     server's candidates, and forwards with a fresh draft committed 1.8 tokens where the
-    server's tree alone would have committed 2.3."""
+    server's tree alone would have committed 2.3. The comparison favours the order in use:
+    the committed tokens end where the verified tree ends, and the budget cuts the tree that
+    goes second, so that tree can at best tie, and a tie keeps the order."""
 
     def __init__(self, memory: float = 0.8):
         self._memory = memory
