@@ -217,10 +217,10 @@ LEARNING_FORWARDS = 3
 class AutoPace:
     """When to wait for the client's answer to the latest Verdict before the next forward.
 
-    A forward with a fresh client draft commits `gain_client` tokens on average in
-    `client_step_s`; without the draft it would have committed `gain_alone` (what the server's
-    own tree follows of the same forwards' tokens), and one without a fresh draft takes
-    `step_s` (the merged tree of a fresh draft is larger, and on a CPU server a larger tree
+    A forward after the client's answer (a fresh draft, or none) commits `gain_client` tokens
+    on average in `client_step_s`; without the answer it would have committed `gain_alone`
+    (what the server's own tree follows of the same forwards' tokens), and one before the
+    answer takes `step_s` (the merged tree of a fresh draft is larger, and on a CPU server a larger tree
     costs clearly more). Waiting w for the draft pays when
     gain_client / (w + client_step_s) > t * gain_alone / step_s, i.e.
     w < gain_client * step_s / (t * gain_alone) - client_step_s, where
@@ -244,7 +244,7 @@ class AutoPace:
     within LOADED_WAIT_STEPS steps. A client that rests from drafting (Draft.rows_paused)
     answers only now and then, and is not waited for.
 
-    Until LEARNING_FORWARDS forwards with a fresh draft are measured, gain_client is a prior,
+    Until LEARNING_FORWARDS forwards after an answer are measured, gain_client is a prior,
     and auto waits up to half a step for an answer due in time, to measure it. Before, where
     the server's own candidates did well (gain_server 1.6-2.0 on code and lists), the prior
     said no wait from the first forward: the edge's drafts were overtaken unused, the edge
@@ -253,13 +253,13 @@ class AutoPace:
     forwards 1-2 of 12 in two runs (the rest is the server's own candidates doing as well).
     """
 
-    step_s: float | None = None  # a forward without a fresh client draft
-    client_step_s: float | None = None  # a forward with one
+    step_s: float | None = None  # a forward before the client's answer
+    client_step_s: float | None = None  # a forward after it
     reply_s: float | None = None  # Verdict sent -> the client's answer to it arrives
     reply_spread_s: float = 0.0  # mean distance of a reply time from reply_s
     gain_client: float = 2.0
     gain_server: float = 1.2
-    # In the forwards with a fresh client draft: what the server's own candidates alone would
+    # In the forwards after the client's answer: what the server's own candidates alone would
     # have committed (None: not measured)
     gain_alone: float | None = None
     fresh_forwards: int = 0  # measured forwards after the client's answer

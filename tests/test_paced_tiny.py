@@ -79,21 +79,26 @@ def test_drafts_that_reach_ahead_keep_the_text_exact(tiny_server, tiny_target, a
         assert result.output_ids == plain_greedy(tiny_target, prompt, MAX_NEW)
 
 
+def _decoder_after_prefill(tiny_target, own: str | None, prompt: list[int]):
+    """A paced decoder on the tiny target, the server's own drafter `own`, `prompt` prefilled."""
+    from cloud_server.paced_decoder import PacedDecoder
+    from cloud_server.server_decoding import ServerDecoder, own_drafter
+    from cloud_server.session import Session
+    from shared.messages import OpenRequest
+
+    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(prompt),
+                                                         max_new_tokens=MAX_NEW))
+    decoder = PacedDecoder(session, ServerDecoder(session, own_drafter(own, Limits()), 0, ()), ())
+    session.prefill()
+    return session, decoder
+
+
 def test_a_forward_without_a_client_draft_credits_the_client_with_nothing(tiny_target):
     """The server's own lookup candidates get accepted, but a Verdict names only the client's
     accepted nodes: the edge counts its drafts' share of the text from them."""
     import time
 
-    from cloud_server.paced_decoder import PacedDecoder
-    from cloud_server.server_decoding import ServerDecoder, own_drafter
-    from cloud_server.session import Session
-    from shared.messages import Limits, OpenRequest
-
-    request = OpenRequest(prompt_ids=tuple(PROMPTS[1]), max_new_tokens=MAX_NEW)
-    session = Session(tiny_target, Limits(), request)
-    decoder = PacedDecoder(session, ServerDecoder(session, own_drafter("pld", Limits()), 0, ()),
-                           ())
-    session.prefill()
+    session, decoder = _decoder_after_prefill(tiny_target, "pld", PROMPTS[1])
     verdicts = []
     while not session.finished:
         verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter(), 0)).verdict)
@@ -106,34 +111,13 @@ def test_work_handed_in_before_a_takeover_runs_no_forward(tiny_target):
     not run, so nothing is committed behind the resume's catch-up."""
     import time
 
-    from cloud_server.paced_decoder import PacedDecoder
-    from cloud_server.server_decoding import ServerDecoder
-    from cloud_server.session import Session
-    from shared.messages import Limits, OpenRequest
-
-    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(PROMPTS[0]),
-                                                         max_new_tokens=MAX_NEW))
-    decoder = PacedDecoder(session, ServerDecoder(session, None, 0, ()), ())
-    session.prefill()
+    session, decoder = _decoder_after_prefill(tiny_target, None, PROMPTS[0])
     committed = list(session.committed)
     work = decoder.stepping(None, time.perf_counter(), session.epoch)
     session.epoch += 1  # what SessionTable.take_over does
     assert tiny_target.drive(work) is None and session.committed == committed
     assert tiny_target.drive(decoder.stepping(None, time.perf_counter(), session.epoch))
     assert len(session.committed) > len(committed)
-
-
-def _decoder_after_prefill(tiny_target, own: str | None):
-    from cloud_server.paced_decoder import PacedDecoder
-    from cloud_server.server_decoding import ServerDecoder, own_drafter
-    from cloud_server.session import Session
-    from shared.messages import OpenRequest
-
-    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(PROMPTS[1]),
-                                                         max_new_tokens=MAX_NEW))
-    decoder = PacedDecoder(session, ServerDecoder(session, own_drafter(own, Limits()), 0, ()), ())
-    session.prefill()
-    return session, decoder
 
 
 def _step(tiny_target, decoder, draft_id: int, tree):
@@ -153,7 +137,7 @@ def test_a_verdict_names_the_clients_accepted_nodes_wherever_the_merge_put_them(
     index in the draft, and `alone` says what the server's tree alone would have committed."""
     from shared.tree import DraftTree
 
-    session, decoder = _decoder_after_prefill(tiny_target, "pld")
+    session, decoder = _decoder_after_prefill(tiny_target, "pld", PROMPTS[1])
     truth = plain_greedy(tiny_target, PROMPTS[1], MAX_NEW)
     for n in range(1, wrong_forwards + 1):
         at = len(session.committed) - len(PROMPTS[1])
