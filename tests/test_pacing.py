@@ -56,7 +56,8 @@ def test_inbox_wait_wakes_on_a_draft_and_times_out_without_one():
 
 
 def test_auto_waits_for_a_reply_due_within_the_allowance_only():
-    auto = AutoPace(step_s=0.06, reply_s=0.01, gain_client=2.4, gain_server=1.2)
+    auto = AutoPace(step_s=0.06, reply_s=0.01, gain_client=2.4, gain_server=1.2,
+                    drafts_added=True)
     assert auto.allowance_s() == pytest.approx(0.03)  # half a step at most
     auto.sent(10, now=0.0)
     assert 0.01 <= auto.wait_s(10, now=0.0) <= 0.03  # due in 10 ms: worth waiting for
@@ -121,7 +122,8 @@ def test_the_first_measured_draft_replaces_the_prior():
 def test_auto_waits_to_learn_what_drafts_are_worth_before_it_trusts_its_prior():
     """A prior that says drafts do not pay must not keep auto from ever measuring them: the
     edge's unused drafts would be overtaken and it would rest, unmeasured."""
-    auto = AutoPace(step_s=0.03, reply_s=0.01, gain_client=1.0, gain_server=2.0)
+    auto = AutoPace(step_s=0.03, reply_s=0.01, gain_client=1.0, gain_server=2.0,
+                    drafts_added=True)
     auto.sent(10, now=0.0)
     assert auto.wait_s(10, now=0.0) == pytest.approx(0.01)  # due within half a step
     for _ in range(LEARNING_FORWARDS):
@@ -129,11 +131,25 @@ def test_auto_waits_to_learn_what_drafts_are_worth_before_it_trusts_its_prior():
     assert auto.wait_s(10, now=0.0) == 0.0  # measured: not worth it
 
 
+def test_auto_pays_for_learning_only_once_a_late_draft_added_a_token():
+    """The learning waits measure what a fresh draft adds; drafts that came late and added
+    nothing to the server's own candidates (prompt lookup on the edge, mostly) say they would
+    not pay for them."""
+    auto = AutoPace(step_s=0.07, reply_s=0.02)
+    auto.sent(10, now=0.0)
+    assert auto.wait_s(10, now=0.0) == 0.0
+    auto.forwarded(tokens=1, fresh=False, step_s=0.07, alone=1)  # no client draft
+    auto.forwarded(tokens=3, fresh=False, step_s=0.07, alone=3)  # one that added nothing
+    assert auto.wait_s(10, now=0.0) == 0.0
+    auto.forwarded(tokens=3, fresh=False, step_s=0.07, alone=2)
+    assert auto.wait_s(10, now=0.0) == pytest.approx(0.02)
+
+
 @pytest.mark.parametrize("replies, waits", [((0.02, 0.02), True), ((0.022, 0.038), False)])
 def test_auto_waits_only_for_answers_that_come_in_time_reliably(replies, waits):
     """Answers at 20 ms every time are worth a wait within a 30 ms allowance; answers at
     30 ms on average, half of them late, are not."""
-    auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2)
+    auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2, drafts_added=True)
     for n in range(40):
         auto.sent(n, now=float(n))
         auto.answered(n, at=n + replies[n % 2])
@@ -143,7 +159,7 @@ def test_auto_waits_only_for_answers_that_come_in_time_reliably(replies, waits):
 
 
 def test_auto_waits_for_nothing_before_it_knows_the_reply_time():
-    auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2)
+    auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2, drafts_added=True)
     auto.sent(10, now=0.0)
     assert auto.allowance_s() > 0 and auto.wait_s(10, now=0.0) == 0.0
 
@@ -379,17 +395,18 @@ def test_auto_waits_for_no_answer_from_a_resting_client():
 
 
 def test_auto_stops_waiting_for_answers_that_bring_no_draft():
-    """A client that answers every Verdict in 3 ms, but never with a draft (prompt lookup with
-    no match): auto waits for its answers while it learns, then no more: each answer it
-    waited for added nothing to the forward after it."""
+    """A client whose one late draft added a token, then answers every Verdict in 3 ms but
+    never with a draft (prompt lookup with no match): auto waits for its answers while it
+    learns, then no more: each answer it waited for added nothing to the forward after it."""
     async def go() -> list[float]:
-        committed, inbox = [10], Inbox(acked=10)
+        committed, inbox = [10], Inbox(acked=9)  # the first forward runs before the answer
         waits = _recording_waits(inbox)
 
         async def forward(draft, queued_at) -> Forwarded:
             await asyncio.sleep(0.02)
             committed[0] += 1
-            return Forwarded(Verdict(committed[0], (), (1,), committed[0]), 1)
+            alone = 0 if committed[0] == 11 else 1
+            return Forwarded(Verdict(committed[0], (), (1,), committed[0]), alone)
 
         async def send(verdict: Verdict) -> None:
             n = verdict.committed_length
