@@ -37,6 +37,8 @@ class GenerationResult:
     rounds: int = 0  # draft rounds; the prefill is not one
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    # From the request to the answer complete (Done): the close handshake after it, a round
+    # trip on a paced stream, is not the user's wait (a server-only stream ends with Done)
     wall_s: float = 0.0
     ttft_s: float = 0.0
     bytes_up: int = 0
@@ -153,6 +155,7 @@ class SplitGeneration:
         self._next_round = 1
         self._ready_tree: DraftTree | None = None  # from a speculation that came true
         self._outage: _Outage | None = None
+        self._answered_at: float | None = None  # when Done arrived
 
     async def run(self) -> GenerationResult:
         start = time.perf_counter()
@@ -163,7 +166,7 @@ class SplitGeneration:
                 if not await self._ride_out(err):
                     break
         self.result.finish_reason = self.finish
-        self.result.wall_s = time.perf_counter() - start
+        self.result.wall_s = (self._answered_at or time.perf_counter()) - start
         return self.result
 
     async def _stream(self, start: float) -> None:
@@ -176,6 +179,7 @@ class SplitGeneration:
             else:
                 await self._follow(stream)
             await _expect(stream, Done)
+            self._answered_at = time.perf_counter()
             with contextlib.suppress(LinkError):  # the answer is complete; a late drop is moot
                 if self._session.pace is not Pace.LOCKSTEP:  # received all: free the session
                     await stream.send(CloseRequest())

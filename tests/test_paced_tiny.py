@@ -3,14 +3,17 @@ greedy decoding whatever the pace, drafts join the server's forwards, and flow c
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
+from edge_client.generate import SilentListener
 from cloud_server.pacing import PacingPolicy
 from shared.drafting.base import DrafterName
 from shared.messages import FinishReason, Limits, Pace
+from netsim import LinkProfile, NetworkConditions, ProxyThread
 from tests.server_harness import ServerThread
 from tests.test_split_decoding_tiny import MAX_NEW, PROMPTS
 
@@ -154,3 +157,28 @@ def test_a_verdict_names_the_clients_accepted_nodes_wherever_the_merge_put_them(
     assert verdict.accepted_nodes == (1, 2) and verdict.draft_id == wrong_forwards + 1
     assert 1 <= forwarded.alone <= len(verdict.tokens)
     assert session.committed[len(PROMPTS[1]):] == truth[:len(session.committed) - len(PROMPTS[1])]
+
+
+class _LastToken(SilentListener):
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def committed(self, ids: list[int]) -> None:
+        self.at = time.perf_counter()
+
+
+def test_the_wall_time_ends_with_the_answer_not_the_close_after_it(tiny_server):
+    """The answer is complete when Done arrives, with the last tokens; the Close after it
+    costs a round trip (500 ms here) that the user does not wait on, and a server-only
+    stream does not have (before, `edge-client --mode` compared split decoding with it)."""
+    async def go(address: str) -> tuple[float, float]:
+        options = ClientOptions("pld", None, MAX_NEW, pace=Pace.SERVER)
+        last = _LastToken()
+        async with EdgeClient(address, options) as client:
+            start = time.perf_counter()
+            result = await client.generate(options.open_request(prompt_ids=PROMPTS[0]), last)
+        return result.wall_s, last.at - start
+    slow = NetworkConditions.symmetric(LinkProfile(delay_ms=250))
+    with ProxyThread(tiny_server.address, slow) as proxy:
+        wall_s, last_token_s = asyncio.run(go(proxy.address))
+    assert last_token_s - 0.25 < wall_s < last_token_s + 0.25
