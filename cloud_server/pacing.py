@@ -290,12 +290,21 @@ class AutoPace:
         """What a forward the server does not wait for commits: gain_alone once measured."""
         return self.gain_server if self.gain_alone is None else self.gain_alone
 
+    def awaits(self, busy: bool = False) -> bool:
+        """Whether an answer that comes in time is waited for, as the client is told with
+        each Verdict (Verdict.answer_awaited): where it is not, the client leaves its mere
+        acknowledgements unsent, and the server's core reads fewer messages."""
+        return self._allowance(busy) > 0
+
+    def _allowance(self, busy: bool) -> float:
+        if busy and self.gain_client > self.without_draft():
+            return (self.step_s or 0.03) * LOADED_WAIT_STEPS
+        return self.allowance_s()
+
     def wait_s(self, committed: int, now: float, busy: bool = False) -> float:
         """How long to wait now for the answer to the Verdict that made `committed`; `busy`:
         other sessions have work on the model."""
-        allowance = self.allowance_s()
-        if busy and self.gain_client > self.without_draft():
-            allowance = (self.step_s or 0.03) * LOADED_WAIT_STEPS
+        allowance = self._allowance(busy)
         sent = self._sent_at.get(committed)
         if sent is None or self.reply_s is None:  # no evidence the answer comes in time
             return 0.0
@@ -338,8 +347,8 @@ class AutoPace:
             self.fresh_forwards += 1
             self.gain_client = _ema(prior, tokens)
             self.client_step_s = _ema(self.client_step_s, step_s)
-            if alone is not None:
-                self.gain_alone = _ema(self.gain_alone, alone)
+            if alone is not None:  # a forward commits its own token at least
+                self.gain_alone = _ema(self.gain_alone, max(1, alone))
         else:
             self.gain_server = max(1.0, _ema(self.gain_server, tokens))
             self.step_s = _ema(self.step_s, step_s)
@@ -390,7 +399,8 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
         if auto is not None:
             auto.forwarded(len(verdict.tokens), was_fresh, time.perf_counter() - start,
                            forwarded.alone)
-        await send(verdict)
+        await send(verdict if auto is None
+                   else replace(verdict, answer_awaited=auto.awaits(busy())))
         # One turn of the loop lets the outbox serialize and hand the Verdict to gRPC before
         # the next forward starts, as a server-only generation does: done during the forward,
         # that work took the interpreter lock from it (measured on `4g` with the server on

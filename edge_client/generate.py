@@ -273,7 +273,7 @@ class SplitGeneration:
         every Verdict with a draft from the new committed position, or only acknowledges it
         while its last draft still continues the text (the server re-roots it)."""
         follower = DraftFollower(self.lag, self.spacing)
-        await self._answer(stream, follower)
+        await self._answer(stream, follower, awaited=True)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
             if isinstance(verdict, ActivationRows):  # rows that trail a Verdict (wire.trailing)
@@ -287,18 +287,20 @@ class SplitGeneration:
             self.result.accepted_tokens += len(verdict.accepted_nodes)
             self._commit(verdict)
             if self.finish is FinishReason.NOT_FINISHED:
-                await self._answer(stream, follower)
+                await self._answer(stream, follower, verdict.answer_awaited)
 
-    async def _answer(self, stream: DecodeStream, follower: "DraftFollower") -> None:
+    async def _answer(self, stream: DecodeStream, follower: "DraftFollower",
+                      awaited: bool) -> None:
         """Drafts when one is due and drafts pay (following.py, DraftSpacing); offline text goes
-        at once, since the server checks it only as a draft. Else only acknowledges, and a
-        resting edge only now and then (DraftFollower.needless)."""
+        at once, since the server checks it only as a draft. Else only acknowledges, and only
+        now and then where the edge rests or the server does not wait for the answer
+        (`awaited`; DraftFollower.needless)."""
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
         if follower.due(self.context) and (self.offline or follower.spacing.chance()):
             proposal, _ = self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
-        if not follower.needless(draft, self._session.lead):
+        if not follower.needless(draft, self._session.lead, awaited):
             await stream.send(follower.sent(draft))
 
     def _acknowledgement(self, rows_paused: bool = False) -> DraftRequest:

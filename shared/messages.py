@@ -174,6 +174,9 @@ class Verdict:
     # accepted_nodes index it re-rooted at this Verdict's base (shared/rerooting.py).
     draft_id: int = 0
     more: bool = False  # a part: the next Verdict continues its activations (wire.py)
+    # Paced sessions: the server may wait for the answer to this Verdict (pacing.AutoPace);
+    # else a mere acknowledgement may stay unsent (edge_client/following.py)
+    answer_awaited: bool = False
 
     @property
     def base_length(self) -> int:

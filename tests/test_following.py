@@ -161,13 +161,32 @@ def test_a_resting_edge_acknowledges_once_per_quarter_of_the_lead():
 
     def ack(base: int, paused: bool = True) -> DraftRequest:
         return DraftRequest(0, base, DraftTree((), ()), rows_paused=paused)
-    assert not follower.needless(ack(10), lead=128)  # the server must learn that it rests
+
+    def needless(draft: DraftRequest) -> bool:
+        return follower.needless(draft, lead=128, awaited=True)
+    assert not needless(ack(10))  # the server must learn that it rests
     follower.sent(ack(10))
-    assert follower.needless(ack(11), lead=128)
-    assert follower.needless(ack(10 + 128 // ACKS_PER_LEAD - 1), lead=128)
-    assert not follower.needless(ack(10 + 128 // ACKS_PER_LEAD), lead=128)  # the lead nears
-    assert not follower.needless(ack(11, paused=False), lead=128)  # done resting
-    assert not follower.needless(DraftRequest(0, 11, DraftTree.chain([3]), rows_paused=True),
-                                 lead=128)  # a draft always goes
+    assert needless(ack(11))
+    assert needless(ack(10 + 128 // ACKS_PER_LEAD - 1))
+    assert not needless(ack(10 + 128 // ACKS_PER_LEAD))  # the lead nears
+    assert not needless(ack(11, paused=False))  # done resting
+    assert not needless(DraftRequest(0, 11, DraftTree.chain([3]), rows_paused=True))  # a draft
     follower.sent(ack(12, paused=False))
-    assert not follower.needless(ack(13), lead=128)  # a new rest: say so at once
+    assert not needless(ack(13))  # a new rest: say so at once
+
+
+def test_an_answer_the_server_does_not_await_goes_only_with_news():
+    """Verdict.answer_awaited unset (server pace; auto where drafts do not pay): a mere
+    acknowledgement waits for the quarter lead, unless it says the edge holds new rows."""
+    follower = DraftFollower(Lag())
+
+    def ack(base: int, rows: int | None = None) -> DraftRequest:
+        return DraftRequest(0, base, DraftTree((), ()), rows_held=rows)
+    follower.sent(ack(10, rows=10))
+    assert follower.needless(ack(12, rows=10), lead=128, awaited=False)
+    assert not follower.needless(ack(12, rows=10), lead=128, awaited=True)
+    assert not follower.needless(ack(12, rows=12), lead=128, awaited=False)  # rows: news
+    assert not follower.needless(ack(10 + 128 // ACKS_PER_LEAD, rows=10), lead=128,
+                                 awaited=False)
+    assert not follower.needless(DraftRequest(0, 12, DraftTree.chain([3]), rows_held=10),
+                                 lead=128, awaited=False)  # a draft always goes

@@ -413,9 +413,9 @@ def test_rows_an_edge_paused_come_in_one_piece_when_it_asks_again(
     pause = range(len(prompt) + 8, len(prompt) + 28)  # committed lengths the edge rests at
     real_answer = SplitGeneration._answer
 
-    async def answer(self, stream, follower):
+    async def answer(self, stream, follower, awaited):
         follower.spacing._resting = len(self.context) in pause
-        await real_answer(self, stream, follower)
+        await real_answer(self, stream, follower, awaited)
     monkeypatch.setattr(SplitGeneration, "_answer", answer)
     computed: list[tuple[int, int]] = []
     real_compute = RowKeeper._compute

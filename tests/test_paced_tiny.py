@@ -182,3 +182,12 @@ def test_the_wall_time_ends_with_the_answer_not_the_close_after_it(tiny_server):
     with ProxyThread(tiny_server.address, slow) as proxy:
         wall_s, last_token_s = asyncio.run(go(proxy.address))
     assert last_token_s - 0.25 < wall_s < last_token_s + 0.25
+
+
+def test_at_server_pace_the_edge_leaves_mere_acknowledgements_unsent(tiny_server):
+    """The server never waits for its answers (Verdict.answer_awaited unset): a prompt-lookup
+    edge sends its drafts, an acknowledgement once per quarter of the lead, and nothing for
+    the other Verdicts; each answer would cost the server a read on its core."""
+    results = paced_outputs(tiny_server.address, "pld", Pace.SERVER)
+    # Answering every Verdict: the Open, an answer to each but the last, the Close
+    assert sum(r.messages_up for r in results) < sum(r.rounds for r in results)

@@ -158,6 +158,35 @@ def test_auto_waits_only_for_answers_that_come_in_time_reliably(replies, waits):
     assert (auto.wait_s(40, now=40.0) > 0) is waits
 
 
+def test_the_client_is_told_whether_its_answer_is_awaited():
+    """Verdict.answer_awaited: the client leaves mere acknowledgements unsent where not."""
+    auto = AutoPace(step_s=0.06, reply_s=0.01, gain_client=2.4, gain_server=1.2,
+                    drafts_added=True)
+    assert auto.awaits()
+    auto.drafts_added = False  # still learning, and no draft has added a token yet
+    assert not auto.awaits()
+    assert auto.awaits(busy=True)  # loaded: drafts that pay are waited for longer
+
+    async def go(pace: Pace, alone: int) -> set[bool]:
+        committed, inbox, said = [10], Inbox(acked=10), set()
+
+        async def forward(draft, queued_at) -> Forwarded:
+            await asyncio.sleep(0.002)
+            committed[0] += 2
+            return Forwarded(Verdict(committed[0], (), (1, 2), committed[0]), alone)
+
+        async def send(verdict: Verdict) -> None:
+            said.add(verdict.answer_awaited)
+            n = verdict.committed_length
+            inbox.put(DraftRequest(n, n, DraftTree((), ())), n)
+        await run_paced(lambda: committed[0], lambda: committed[0] >= 20, inbox, forward, send,
+                        pace, lead=64)
+        return said
+    assert asyncio.run(go(Pace.SERVER, alone=1)) == {False}
+    assert True in asyncio.run(go(Pace.AUTO, alone=1))  # the edge's nodes added a token
+    assert asyncio.run(go(Pace.AUTO, alone=2)) == {False}
+
+
 def test_auto_waits_for_nothing_before_it_knows_the_reply_time():
     auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2, drafts_added=True)
     auto.sent(10, now=0.0)
