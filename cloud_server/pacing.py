@@ -56,6 +56,7 @@ class Inbox:
         self.closed = False  # the client closed its side, or the stream ended
         # The client rests from drafting (Draft.rows_paused): it answers only now and then
         self.resting = False
+        self.drafted = False  # a draft with nodes has come
         self._last_id = 0
         self._changed = asyncio.Event()
 
@@ -70,7 +71,7 @@ class Inbox:
         if draft.base_length > self.acked:
             self.acked, self.acked_at = draft.base_length, time.monotonic()
         if len(draft.tree):
-            self.draft = draft
+            self.draft, self.drafted = draft, True
         self._wake()
 
     def close(self) -> None:
@@ -251,11 +252,13 @@ class AutoPace:
     rested (edge_client/following.py), and auto waits for no resting edge, so its drafts were
     never measured. On `lan` 4 of 12 sessions ran so, at server pace; with the learning
     forwards 1-2 of 12 in two runs (the rest is the server's own candidates doing as well).
-    Those waits are paid only once a client draft has added a token to a forward that did not
-    wait for it (`drafts_added`): a draft that came late still says whether the edge's drafts
-    add anything to the server's own. Measured on `wifi` with prompt lookup on the edge, whose
-    drafts mostly added nothing there: the three learning waits cost 60 ms of a 2-4 s
-    generation, and auto ran at 0.976x server-spec against server pace's 1.006x.
+    Those waits are paid only once the client has sent a draft with nodes (`drafted`): an
+    answer that only acknowledges (prompt lookup on the edge with no match in the text)
+    teaches nothing. Measured on `wifi` with prompt lookup on the edge: three learning waits
+    cost 60 ms of a 2-4 s generation, and auto ran at 0.976x server-spec against server pace's
+    1.006x. Waiting to learn only once a draft that came late had added a token to a forward
+    was worse: MoA's first drafts were overtaken unused, the edge rested as above, and on
+    `lan` auto made 1.16x lock-step's forwards per token (1.06x before).
     """
 
     step_s: float | None = None  # a forward before the client's answer
@@ -268,13 +271,13 @@ class AutoPace:
     # have committed (None: not measured)
     gain_alone: float | None = None
     fresh_forwards: int = 0  # measured forwards after the client's answer
-    drafts_added: bool = False  # a forward committed more than the server's own tree followed
+    drafted: bool = False  # the client has sent a draft with nodes (Inbox.drafted)
     _sent_at: dict[int, float] = field(default_factory=dict)
 
     def allowance_s(self) -> float:
         step = self.step_s or 0.03
         if self.fresh_forwards < LEARNING_FORWARDS:
-            return step / 2 if self.drafts_added else 0.0
+            return step / 2 if self.drafted else 0.0
         # The share of its token rate the session gives up is at most the share of forwards
         # the wait saves: for drafts that add next to nothing, none (measured on `lan` with
         # prompt lookup on the edge: a flat 10% had auto wait 4 ms a forward, 5% of the
@@ -337,18 +340,20 @@ class AutoPace:
         waiting for it did not pay (a prompt-lookup edge with no match answers so; counted
         only when a draft came, auto on `wifi` never finished learning and waited half a
         step before every forward of such a generation, 15% of it)."""
-        if alone is None or tokens > alone:
-            self.drafts_added = True
         if fresh:
             # The first measurement replaces the prior: drawn towards it, the mean of a few
             # drafts that added nothing still said 1.2 tokens to the server's 1.0 (the prior
-            # 2.0 at 0.8 ** 7), and auto waited for prompt-lookup drafts for that.
+            # 2.0 at 0.8 ** 7), and auto waited for prompt-lookup drafts for that. The
+            # measurements are averaged evenly until the running mean's weight takes over:
+            # weighted 0.2 from the second, the first counted 64% of what the learning
+            # forwards decided.
             prior = None if self.fresh_forwards == 0 else self.gain_client
             self.fresh_forwards += 1
-            self.gain_client = _ema(prior, tokens)
-            self.client_step_s = _ema(self.client_step_s, step_s)
+            weight = max(0.2, 1 / self.fresh_forwards)
+            self.gain_client = _ema(prior, tokens, weight)
+            self.client_step_s = _ema(self.client_step_s, step_s, weight)
             if alone is not None:  # a forward commits its own token at least
-                self.gain_alone = _ema(self.gain_alone, max(1, alone))
+                self.gain_alone = _ema(self.gain_alone, max(1, alone), weight)
         else:
             self.gain_server = max(1.0, _ema(self.gain_server, tokens))
             self.step_s = _ema(self.step_s, step_s)
@@ -385,6 +390,7 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
             return inbox.acked >= committed()
 
         if auto is not None:
+            auto.drafted = inbox.drafted
             if not fresh() and not inbox.resting:
                 await inbox.wait(fresh, auto.wait_s(committed(), time.monotonic(), busy()))
             auto.answered(inbox.acked, inbox.acked_at)
