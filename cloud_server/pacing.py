@@ -405,8 +405,8 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
         if auto is not None:
             auto.forwarded(len(verdict.tokens), was_fresh, time.perf_counter() - start,
                            forwarded.alone)
-        await send(verdict if auto is None
-                   else replace(verdict, answer_awaited=auto.awaits(busy())))
+        awaited = auto is not None and not inbox.resting and auto.awaits(busy())
+        await send(replace(verdict, answer_awaited=awaited) if awaited else verdict)
         # One turn of the loop lets the outbox serialize and hand the Verdict to gRPC before
         # the next forward starts, as a server-only generation does: done during the forward,
         # that work took the interpreter lock from it (measured on `4g` with the server on

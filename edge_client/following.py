@@ -157,22 +157,20 @@ class DraftFollower:
         return draft
 
     def needless(self, draft: DraftRequest, lead: int, awaited: bool) -> bool:
-        """True when `draft`, a mere acknowledgement, need not go while the server is far from
-        its `lead`: the edge rests and the server knows it (the last message said so:
-        Draft.rows_paused), or the server does not wait for the answer (`awaited`:
-        Verdict.answer_awaited) and it tells nothing new of the rows. Each answer costs the
-        server's event loop a read on the core its forwards run on; measured on `4g`,
-        answering every Verdict of a resting edge kept split decoding a few percent below
-        server-side speculation, with the same forwards per token; and a prompt-lookup edge's
-        answers to every Verdict cost the server 0.45 ms of CPU a token (0.8%)."""
+        """True when `draft`, a mere acknowledgement that tells nothing new of the rows or the
+        rest, need not go: nobody waits for it (the server said so, `awaited`:
+        Verdict.answer_awaited, or it knows the edge rests: Draft.rows_paused) and the server
+        is far from its `lead`. Each answer costs the server's event loop a read on the core
+        its forwards run on; measured on `4g`, answering every Verdict of a resting edge kept
+        split decoding a few percent below server-side speculation, with the same forwards
+        per token; and a prompt-lookup edge's answers to every Verdict cost the server 0.45 ms
+        of CPU a token (0.8%)."""
         last = self._last_sent
         if (len(draft.tree) or last is None or lead <= 0
                 or draft.base_length - last.base_length >= lead // ACKS_PER_LEAD):
             return False
-        if draft.rows_paused and last.rows_paused:
-            return True
-        return (not awaited and draft.rows_held == last.rows_held
-                and draft.rows_paused == last.rows_paused)
+        news = draft.rows_held != last.rows_held or draft.rows_paused != last.rows_paused
+        return not news and (not awaited or draft.rows_paused)
 
     def due(self, context: Sequence[int]) -> bool:
         """True when a new draft is due: the live one no longer has nodes past `context`. A

@@ -162,7 +162,7 @@ def test_the_client_is_told_whether_its_answer_is_awaited():
     assert not auto.awaits()
     assert auto.awaits(busy=True)  # loaded: drafts that pay are waited for longer
 
-    async def go(pace: Pace, alone: int) -> list[bool]:
+    async def go(pace: Pace, alone: int, resting: bool = False) -> list[bool]:
         committed, inbox, said = [10], Inbox(acked=10), []
 
         async def forward(draft, queued_at) -> Forwarded:
@@ -173,7 +173,7 @@ def test_the_client_is_told_whether_its_answer_is_awaited():
         async def send(verdict: Verdict) -> None:
             said.append(verdict.answer_awaited)
             n = verdict.committed_length
-            inbox.put(DraftRequest(n, n, TREE), n)
+            inbox.put(DraftRequest(n, n, TREE, rows_paused=resting), n)
         await run_paced(lambda: committed[0], lambda: committed[0] >= 30, inbox, forward, send,
                         pace, lead=64)
         return said
@@ -181,6 +181,7 @@ def test_the_client_is_told_whether_its_answer_is_awaited():
     assert asyncio.run(go(Pace.AUTO, alone=1))[-1]  # the edge's nodes add a token a forward
     learnt = asyncio.run(go(Pace.AUTO, alone=2))  # they add nothing: awaited while learning
     assert any(learnt[:LEARNING_FORWARDS + 2]) and not learnt[-1]
+    assert not any(asyncio.run(go(Pace.AUTO, alone=1, resting=True)))  # never waited for
 
 
 def test_auto_waits_for_nothing_before_it_knows_the_reply_time():
