@@ -3,7 +3,8 @@
 For each link profile (netsim/), in one run against one cloud-server process, every
 prompt in turn through: (a) a plain streaming API (the server decodes token by token and streams),
 (b) server-side speculative decoding with the server's lookup drafter, (c) split decoding at each
-pace (lockstep, server, auto). Reports tokens/s, time to first token, p50/p95 inter-token
+pace (lockstep, server, auto), each method through a client of its own and the order rotated
+prompt by prompt. Reports tokens/s, time to first token, p50/p95 inter-token
 latency, server calls and target forwards per generated token, wire bytes per token, the share
 of tokens the edge drafted, and for lockstep the link bound tau / (RTT + T_verify). Then a
 scripted outage on one profile: what it costs against the same generation without it. Writes a
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
+from typing import AsyncIterator
 
 import numpy as np
 
@@ -114,22 +117,41 @@ async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> d
     return record(r, arrivals)
 
 
+@contextlib.asynccontextmanager
+async def method_clients(proxy: str, methods: list[str], drafter: str, max_new_tokens: int,
+                         warm_prompt: str) -> AsyncIterator[dict[str, EdgeClient]]:
+    """One client per method: what a user who runs only that method has, so nothing one
+    method's generations leave behind (the edge's rest, which a client carries to its next
+    generation) reaches another's. (gRPC shares one connection among them.) A fresh channel's
+    first server stream arrives in bursts (seen here: 200 ms apart, then smooth): one short
+    run of each method first keeps that out."""
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {m: await stack.enter_async_context(
+            EdgeClient(proxy, ClientOptions(drafter, None, max_new_tokens))) for m in methods}
+        warm = OpenRequest(chat=(ChatMessage("user", warm_prompt),), max_new_tokens=4)
+        for method, client in clients.items():
+            await run_method(client, method, warm)
+        yield clients
+
+
+def rotated(methods: list[str], turn: int) -> list[str]:
+    """`methods` from the turn-th on, wrapping: prompt by prompt each method goes first as
+    often as the others, so none always follows the same one."""
+    k = turn % len(methods)
+    return methods[k:] + methods[:k]
+
+
 async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
     conditions = NetworkConditions.symmetric(PROFILES[profile])
     records = []
     with netsim_proxy(address, profile, cores=parse_cores(args.client_cores)) as proxy:
-        async with EdgeClient(proxy, ClientOptions(args.drafter, None,
-                                                           args.max_new_tokens)) as client:
-            # A fresh channel's first server stream arrives in bursts (seen here: 200 ms
-            # apart, then smooth); one short run of each method first keeps that out.
-            warm = OpenRequest(chat=(ChatMessage("user", items[0]["prompt"]),), max_new_tokens=4)
-            for method in args.methods:
-                await run_method(client, method, warm)
-            for item in items:
+        async with method_clients(proxy, args.methods, args.drafter, args.max_new_tokens,
+                                  items[0]["prompt"]) as clients:
+            for turn, item in enumerate(items):
                 request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                                       max_new_tokens=args.max_new_tokens)
-                for method in args.methods:
-                    done = await run_method(client, method, request)
+                for method in rotated(args.methods, turn):
+                    done = await run_method(clients[method], method, request)
                     records.append({"profile": profile, "rtt_ms": conditions.rtt_ms,
                                     "method": method, "id": item["id"], **done})
                     log(f"  {profile:>9} {method:>14} {item['id']:<20} "
