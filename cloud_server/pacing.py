@@ -294,10 +294,14 @@ class AutoPace:
         return self.gain_server if self.gain_alone is None else self.gain_alone
 
     def awaits(self, busy: bool = False) -> bool:
-        """Whether an answer that comes in time is waited for, as the client is told with
-        each Verdict (Verdict.answer_awaited): where it is not, the client leaves its mere
-        acknowledgements unsent, and the server's core reads fewer messages."""
-        return self._allowance(busy) > 0
+        """Whether the client's answer to the Verdict sent now is waited for, as the client is
+        told with it (Verdict.answer_awaited): where it is not, the client leaves its mere
+        acknowledgements unsent, and the server's core reads fewer messages. An answer is
+        waited for only when it comes within the allowance reliably (`wait_s`); until the
+        reply time is measured, it is awaited, so that it gets measured."""
+        allowance = self._allowance(busy)
+        return allowance > 0 and (self.reply_s is None
+                                  or self.reply_s + 2 * self.reply_spread_s <= allowance)
 
     def _allowance(self, busy: bool) -> float:
         if busy and self.gain_client > self.without_draft():

@@ -184,6 +184,19 @@ def test_the_client_is_told_whether_its_answer_is_awaited():
     assert not any(asyncio.run(go(Pace.AUTO, alone=1, resting=True)))  # never waited for
 
 
+def test_an_answer_that_comes_too_late_to_be_waited_for_is_not_awaited():
+    """The client is told its answer is awaited only when it comes within the allowance
+    reliably (as wait_s waits), and before the reply time is measured, so it gets measured."""
+    auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2, drafted=True)
+    assert auto.awaits()  # reply time unknown: the answer teaches it
+    auto.sent(10, now=10.0)
+    auto.answered(10, at=10.1)  # 100 ms, against an allowance of half a 60 ms step
+    assert auto.allowance_s() > 0 and not auto.awaits()
+    assert auto.awaits(busy=True)  # loaded: the allowance is four steps
+    auto.sent(20, now=20.0)
+    assert auto.wait_s(20, now=20.0) == 0.0  # as told: the server does not wait for it
+
+
 def test_auto_waits_for_nothing_before_it_knows_the_reply_time():
     auto = AutoPace(step_s=0.06, gain_client=2.4, gain_server=1.2, drafted=True)
     auto.sent(10, now=0.0)
