@@ -62,8 +62,9 @@ class DraftSpacing:
     draft then only costs the edge CPU, and the rows it drafts from cost the downlink about
     1 KB a token, ahead of the Verdicts. Resting cut the edge's drafting time there about 4x
     and the bytes 21-29% (docs/performance.md, "An edge that rests from drafts that come too
-    late"). So after PATIENCE drafts that the server overtook unused (their first nodes were right, and a faster link would have had them
-    accepted; a draft wrong from its first node says nothing of the link) the edge rests: it
+    late"). So after PATIENCE drafts that the server overtook unused (their first nodes were
+    right, and a faster link would have had them accepted; a draft wrong from its first node
+    says nothing of the link) the edge rests: it
     lets FIRST_REST chances pass, doubling with every probe overtaken too up to MAX_REST, then
     probes with a draft from what it holds. A rest ends only when a draft gets a node
     accepted; a probe that earns nothing starts the next rest. All the while the edge wants
