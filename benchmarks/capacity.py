@@ -8,7 +8,8 @@ default) and one started with `--batch-tokens 0` (one session per forward). Repo
 and per-client tokens/s, p50/p95 time per token (a generation's time after its first token, per
 token), the sessions' forwards, the model's forward passes (one may carry several sessions'
 forwards) and server CPU seconds per generated token, from the server's own metrics, and the
-client processes' CPU seconds per token (they share this machine with the server). Greedy, so
+client processes' CPU seconds per token (they share this machine with the server), and the share
+of the time the model ran forwards (the rest it waited for work). Greedy, so
 every prompt's answer must be the same in every configuration: the report counts the answers
 that differ (it must be 0).
 
@@ -95,6 +96,7 @@ class Cell:
     session_forwards: float  # sessions' forwards (verifications, decoding steps) per token
     cpu_s: float  # the server's CPU seconds per token
     client_cpu_s: float  # the edge client processes' CPU seconds per token
+    model_busy: float  # the share of the time the model ran forwards
 
     @property
     def tok_s(self) -> float:
@@ -134,13 +136,14 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
     tokens = sum(len(a["ids"]) for a in answers)
     spent = {name: after[name] - before.get(name, 0.0)
              for name in ("splitdec_model_forwards_total", "splitdec_forwards_total",
-                          "process_cpu_seconds_total")}
+                          "process_cpu_seconds_total", "splitdec_forward_ms_sum")}
     per_token = [1000 * (a["wall_s"] - a["ttft_s"]) / max(1, len(a["ids"]) - 1) for a in answers]
-    cell = Cell(kind, method, len(prompts), tokens,
-                max(a["end"] for a in answers) - min(a["start"] for a in answers), per_token,
+    seconds = max(a["end"] for a in answers) - min(a["start"] for a in answers)
+    cell = Cell(kind, method, len(prompts), tokens, seconds, per_token,
                 spent["splitdec_model_forwards_total"] / tokens,
                 spent["splitdec_forwards_total"] / tokens,
-                spent["process_cpu_seconds_total"] / tokens, client_cpu / tokens)
+                spent["process_cpu_seconds_total"] / tokens, client_cpu / tokens,
+                spent["splitdec_forward_ms_sum"] / 1000 / seconds)
     return cell, answers
 
 
@@ -187,12 +190,13 @@ def table(cells: list[Cell]) -> str:
                      "" if api is None else f"{c.session_forwards / api.session_forwards:.2f}x",
                      f"{c.forwards:.2f}",
                      "" if api is None else f"{c.forwards / api.forwards:.2f}x",
-                     f"{1000 * c.cpu_s:.0f}", f"{1000 * c.client_cpu_s:.0f}"])
+                     f"{1000 * c.cpu_s:.0f}", f"{1000 * c.client_cpu_s:.0f}",
+                     f"{c.model_busy:.0%}"])
     return markdown_table(
         ["method", "server", "clients", "tok/s", "tok/s per client", "vs unbatched",
          "p50 ms/token", "p95 ms/token", "session forwards/token", "vs plain API",
          "forward passes/token", "vs plain API", "server CPU ms/token",
-         "clients' CPU ms/token"], rows)
+         "clients' CPU ms/token", "model busy"], rows)
 
 
 def plot(cells: list[Cell], path) -> None:

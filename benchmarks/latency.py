@@ -141,9 +141,11 @@ def rotated(methods: list[str], turn: int) -> list[str]:
     return methods[k:] + methods[:k]
 
 
-async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
-    conditions = NetworkConditions.symmetric(PROFILES[profile])
-    records = []
+async def generations(address: str, profile: str, items: list[dict], args
+                      ) -> AsyncIterator[tuple[str, dict, EdgeClient, OpenRequest]]:
+    """Every (method, prompt) of one link profile, in the order they run, with the method's
+    client and the request: behind a netsim proxy on the clients' cores, each prompt through
+    every method, the order rotated prompt by prompt."""
     with netsim_proxy(address, profile, cores=parse_cores(args.client_cores)) as proxy:
         async with method_clients(proxy, args.methods, args.drafter, args.max_new_tokens,
                                   items[0]["prompt"]) as clients:
@@ -151,11 +153,18 @@ async def run_profile(address: str, profile: str, items: list[dict], args) -> li
                 request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                                       max_new_tokens=args.max_new_tokens)
                 for method in rotated(args.methods, turn):
-                    done = await run_method(clients[method], method, request)
-                    records.append({"profile": profile, "rtt_ms": conditions.rtt_ms,
-                                    "method": method, "id": item["id"], **done})
-                    log(f"  {profile:>9} {method:>14} {item['id']:<20} "
-                        f"{len(done['output_ids']) / done['wall_s']:6.1f} tok/s")
+                    yield method, item, clients[method], request
+
+
+async def run_profile(address: str, profile: str, items: list[dict], args) -> list[dict]:
+    conditions = NetworkConditions.symmetric(PROFILES[profile])
+    records = []
+    async for method, item, client, request in generations(address, profile, items, args):
+        done = await run_method(client, method, request)
+        records.append({"profile": profile, "rtt_ms": conditions.rtt_ms, "method": method,
+                        "id": item["id"], **done})
+        log(f"  {profile:>9} {method:>14} {item['id']:<20} "
+            f"{len(done['output_ids']) / done['wall_s']:6.1f} tok/s")
     return records
 
 

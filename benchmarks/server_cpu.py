@@ -21,12 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
-                               markdown_table, netsim_proxy, parse_cores, placement,
-                               write_results)
-from benchmarks.latency import SPLIT_PACES, method_clients, rotated, run_method
+                               markdown_table, parse_cores, placement, write_results)
+from benchmarks.latency import SPLIT_PACES, generations, run_method
 from cloud_server.model_thread import MODEL_THREAD_NAME
 from shared import prompt_sets as prompts
-from shared.messages import ChatMessage, OpenRequest
 
 PARTS = ("model thread", "event loop", "gRPC and other threads")
 # After a generation's last token the client still closes the session: its messages are the
@@ -97,25 +95,19 @@ async def run_profile(address: str, pid: int, profile: str, items: list[dict],
                       args: argparse.Namespace) -> dict[str, Totals]:
     """Per method: tokens, wall seconds and CPU seconds by part, over all prompts."""
     totals = {m: Totals() for m in args.methods}
-    with netsim_proxy(address, profile, cores=parse_cores(args.client_cores)) as proxy:
-        async with method_clients(proxy, args.methods, args.drafter, args.max_new_tokens,
-                                  items[0]["prompt"]) as clients:
-            for turn, item in enumerate(items):
-                request = OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
-                                      max_new_tokens=args.max_new_tokens)
-                for method in rotated(args.methods, turn):
-                    before = thread_cpu(pid)
-                    done = await run_method(clients[method], method, request)
-                    await asyncio.sleep(SETTLE_S)
-                    spent = thread_cpu(pid)
-                    spent.subtract(before)
-                    total = totals[method]
-                    total.tokens += len(done["output_ids"])
-                    total.wall_s += done["wall_s"]
-                    total.cpu.update(spent)
-                    print(f"  {profile:>9} {method:>14} {item['id']:<20} "
-                          f"{1000 * sum(spent.values()) / len(done['output_ids']):6.2f} "
-                          "server CPU ms/token", file=sys.stderr, flush=True)
+    async for method, item, client, request in generations(address, profile, items, args):
+        before = thread_cpu(pid)
+        done = await run_method(client, method, request)
+        await asyncio.sleep(SETTLE_S)
+        spent = thread_cpu(pid)
+        spent.subtract(before)
+        total = totals[method]
+        total.tokens += len(done["output_ids"])
+        total.wall_s += done["wall_s"]
+        total.cpu.update(spent)
+        print(f"  {profile:>9} {method:>14} {item['id']:<20} "
+              f"{1000 * sum(spent.values()) / len(done['output_ids']):6.2f} server CPU ms/token",
+              file=sys.stderr, flush=True)
     return totals
 
 
