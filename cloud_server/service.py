@@ -186,9 +186,11 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         session, resumed = await self._attach(opening, owner, caller(context))
         session.pause_rows(opening.rows_paused)  # a resumed session: as this stream asks
         try:
+            # Opened goes first, its prompt ids on the link while the prompt runs (as
+            # Generate's): after the prefill they came between the first token and the client
+            await self._send(context, session.opened(resumed))
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
                      else await self.batcher.run(session.prefilling(), session.id))
-            await self._send(context, session.opened(resumed))
             if session.pace is Pace.LOCKSTEP:
                 await self._send(context, first)
                 ended = await self._serve_rounds(session, context, owner)
@@ -273,6 +275,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         reader = asyncio.create_task(self._fill(session, context, owner, inbox, outbox))
         try:
             await outbox.put(first)  # its rows can take the link a second: no forward waits
+            await asyncio.sleep(0)  # but the Verdict is handed to gRPC first (run_paced)
             await run_paced(lambda: len(session.committed),
                             lambda: session.finished or not self.sessions.owns(session, owner),
                             inbox, lambda draft, queued_at: self.batcher.run(
