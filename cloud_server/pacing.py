@@ -379,11 +379,20 @@ Forward = Callable[[DraftRequest | None, float], Awaitable[Forwarded | None]]
 
 async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
                     forward: Forward, send: Callable[[Verdict], Awaitable[None]], pace: Pace,
-                    lead: int, busy: Callable[[], bool] = lambda: False) -> None:
+                    lead: int, busy: Callable[[], bool] = lambda: False,
+                    reads_rows: bool = True) -> None:
     """Runs forwards until the generation finishes or the client goes away. `forward(draft,
     queued_at)` verifies a draft (None: the server's own candidates only) on the model;
-    `busy()`: other sessions have work on the model (AutoPace waits longer then)."""
-    auto = AutoPace() if pace is Pace.AUTO else None
+    `busy()`: other sessions have work on the model (AutoPace waits longer then).
+
+    `reads_rows`: the client drafts from the server's activation rows. Auto waits only for
+    such a client: a drafter that reads the text alone (prompt lookup, ADED) learns nothing
+    from a Verdict but its tokens, and its last draft, re-rooted along them, continues as a
+    fresh one would. Measured with prompt lookup on the edge (12 prompts a link, six links,
+    `benchmarks/results/latency_awaited_pld.md`): auto's waits made no fewer forwards a
+    token than server pace on any link (0.70-0.71 both) and cost up to 2.5% of the token
+    rate (`wifi`: 0.979x server-spec, server pace 1.004x). So for it auto is server pace."""
+    auto = AutoPace() if pace is Pace.AUTO and reads_rows else None
     if auto is not None:  # the prefill's Verdict, sent before the loop
         auto.sent(committed(), time.monotonic())
     while not finished() and not inbox.closed:

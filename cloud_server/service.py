@@ -281,7 +281,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                             inbox, lambda draft, queued_at: self.batcher.run(
                                 decoder.stepping(draft, queued_at, epoch), session.id),
                             outbox.put, session.pace, session.lead,
-                            lambda: self.pacing.load_wait and self.batcher.pending > 0)
+                            lambda: self.pacing.load_wait and self.batcher.pending > 0,
+                            session.reads_rows)
             if not session.finished and await reader is _Ended.GONE:
                 self._go_on_alone(session, decoder, inbox.acked, epoch)
                 return False

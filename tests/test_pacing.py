@@ -153,6 +153,34 @@ def test_auto_waits_only_for_answers_that_come_in_time_reliably(replies, waits):
     assert (auto.wait_s(40, now=40.0) > 0) is waits
 
 
+def test_auto_waits_only_for_a_client_that_drafts_from_the_rows():
+    """A text-only drafter's fresh draft brings nothing its re-rooted last one does not:
+    auto is server pace for it, and says so (no answer awaited)."""
+    async def go(reads_rows: bool) -> tuple[int, list[bool]]:
+        committed, inbox, fresh, said, answers = [10], Inbox(acked=10), [0], [], set()
+
+        async def forward(draft, queued_at) -> Forwarded:
+            fresh[0] += draft is not None and draft.base_length == committed[0]
+            await asyncio.sleep(0.02)
+            committed[0] += 2
+            return Forwarded(Verdict(committed[0], (), (1, 2), committed[0]), 1)
+
+        async def answer(n: int) -> None:
+            await asyncio.sleep(0.005)
+            inbox.put(DraftRequest(n, n, TREE), committed[0])
+
+        async def send(verdict: Verdict) -> None:
+            said.append(verdict.answer_awaited)
+            answers.add(asyncio.create_task(answer(verdict.committed_length)))
+        await run_paced(lambda: committed[0], lambda: committed[0] >= 40, inbox, forward, send,
+                        Pace.AUTO, lead=64, reads_rows=reads_rows)
+        return fresh[0], said
+    waited, said = asyncio.run(go(reads_rows=True))
+    assert waited >= 5 and any(said)
+    waited, said = asyncio.run(go(reads_rows=False))
+    assert waited == 0 and not any(said)
+
+
 def test_the_client_is_told_whether_its_answer_is_awaited():
     """Verdict.answer_awaited: the client leaves mere acknowledgements unsent where not."""
     auto = AutoPace(step_s=0.06, reply_s=0.01, gain_client=2.4, gain_server=1.2,
