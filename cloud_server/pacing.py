@@ -258,7 +258,8 @@ class AutoPace:
     cost 60 ms of a 2-4 s generation, and auto ran at 0.976x server-spec against server pace's
     1.006x. Waiting to learn only once a draft that came late had added a token to a forward
     was worse: MoA's first drafts were overtaken unused, the edge rested as above, and on
-    `lan` auto made 1.16x lock-step's forwards per token (1.06x before).
+    `lan` auto made 1.16x lock-step's forwards per token (1.06x before). (Since then an edge
+    with a text-only drafter such as prompt lookup gets no AutoPace at all: `run_paced`.)
     """
 
     step_s: float | None = None  # a forward before the client's answer
