@@ -5,8 +5,9 @@ event loop or gRPC spends on a session is taken from the forwards. For each link
 prompt at a time through every method back to back, each through a client of its own
 (benchmarks/latency.py), this reads the server process's per-thread CPU time
 (/proc/PID/task/TID/schedstat, in ns) before and after each generation and splits it into the
-model thread, the event loop (the main thread) and the rest (gRPC's threads). Reports CPU milliseconds per generated token for each, the ratio of the
-total to server-spec's, tokens/s, and a stacked bar plot. Linux only.
+model thread, the event loop (the main thread) and the rest (gRPC's threads). Reports CPU
+milliseconds per generated token for each, the ratio of the total to the first method's
+(server-spec by default), tokens/s, and a stacked bar plot. Linux only.
 
     python -m benchmarks.server_cpu --profiles 4g,3g --drafter moa --server-cores 0 --client-cores 1
 """

@@ -41,8 +41,22 @@ class PacingPolicy:
     drafter: DrafterName | None = DrafterName.RECYCLE
     load_wait: bool = True
 
-    def resolve(self, pace: Pace | None, lead: int) -> tuple[Pace, int]:
-        return pace or self.pace, min(lead or self.lead, self.max_lead)
+    def resolve(self, pace: Pace | None, lead: int, reads_rows: bool = True
+                ) -> tuple[Pace, int]:
+        """The session's pace and lead, from what its Open asked (None, 0: the defaults).
+        `reads_rows`: the client drafts from the server's activation rows (MoA, Falcon).
+
+        Auto waits only for such a client: a drafter that reads the text alone (prompt
+        lookup, ADED) learns nothing from a Verdict but its tokens, and its last draft,
+        re-rooted along them, continues as a fresh one would. Measured with prompt lookup on
+        the edge (12 prompts a link, six links, `benchmarks/results/latency_awaited_pld.md`):
+        auto's waits made no fewer forwards a token than server pace on any link (0.70-0.71
+        both) and cost up to 2.5% of the token rate (`wifi`: 0.979x server-spec, server pace
+        1.004x). So its auto is server pace, and Opened says so."""
+        pace = pace or self.pace
+        if pace is Pace.AUTO and not reads_rows:
+            pace = Pace.SERVER
+        return pace, min(lead or self.lead, self.max_lead)
 
 
 class Inbox:
@@ -259,7 +273,7 @@ class AutoPace:
     1.006x. Waiting to learn only once a draft that came late had added a token to a forward
     was worse: MoA's first drafts were overtaken unused, the edge rested as above, and on
     `lan` auto made 1.16x lock-step's forwards per token (1.06x before). (Since then an edge
-    with a text-only drafter such as prompt lookup gets no AutoPace at all: `run_paced`.)
+    with a text-only drafter such as prompt lookup gets server pace: `PacingPolicy.resolve`.)
     """
 
     step_s: float | None = None  # a forward before the client's answer
@@ -380,20 +394,11 @@ Forward = Callable[[DraftRequest | None, float], Awaitable[Forwarded | None]]
 
 async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
                     forward: Forward, send: Callable[[Verdict], Awaitable[None]], pace: Pace,
-                    lead: int, busy: Callable[[], bool] = lambda: False,
-                    reads_rows: bool = True) -> None:
+                    lead: int, busy: Callable[[], bool] = lambda: False) -> None:
     """Runs forwards until the generation finishes or the client goes away. `forward(draft,
     queued_at)` verifies a draft (None: the server's own candidates only) on the model;
-    `busy()`: other sessions have work on the model (AutoPace waits longer then).
-
-    `reads_rows`: the client drafts from the server's activation rows. Auto waits only for
-    such a client: a drafter that reads the text alone (prompt lookup, ADED) learns nothing
-    from a Verdict but its tokens, and its last draft, re-rooted along them, continues as a
-    fresh one would. Measured with prompt lookup on the edge (12 prompts a link, six links,
-    `benchmarks/results/latency_awaited_pld.md`): auto's waits made no fewer forwards a
-    token than server pace on any link (0.70-0.71 both) and cost up to 2.5% of the token
-    rate (`wifi`: 0.979x server-spec, server pace 1.004x). So for it auto is server pace."""
-    auto = AutoPace() if pace is Pace.AUTO and reads_rows else None
+    `busy()`: other sessions have work on the model (AutoPace waits longer then)."""
+    auto = AutoPace() if pace is Pace.AUTO else None
     if auto is not None:  # the prefill's Verdict, sent before the loop
         auto.sent(committed(), time.monotonic())
     while not finished() and not inbox.closed:

@@ -230,7 +230,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     async def _new_session(self, request: OpenRequest, owner: object,
                            by: str | None = None) -> Session:
         self.sessions.reserve()
-        pace, lead = self.pacing.resolve(request.pace, request.lead)
+        pace, lead = self.pacing.resolve(request.pace, request.lead,
+                                         reads_rows=request.activations is not None)
         request = replace(request, pace=pace, lead=lead)
         source = None if self.drafter is None else self.drafter.activations
         session = await self._on_model(Session, self.target, self.limits, request, source)
@@ -281,8 +282,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                             inbox, lambda draft, queued_at: self.batcher.run(
                                 decoder.stepping(draft, queued_at, epoch), session.id),
                             outbox.put, session.pace, session.lead,
-                            lambda: self.pacing.load_wait and self.batcher.pending > 0,
-                            session.reads_rows)
+                            lambda: self.pacing.load_wait and self.batcher.pending > 0)
             if not session.finished and await reader is _Ended.GONE:
                 self._go_on_alone(session, decoder, inbox.acked, epoch)
                 return False

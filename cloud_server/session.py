@@ -258,12 +258,6 @@ class Session:
     def paced(self) -> bool:
         return self.pace is not Pace.LOCKSTEP
 
-    @property
-    def reads_rows(self) -> bool:
-        """The client's drafter reads the server's activation rows (MoA, Falcon); a
-        training-free one (prompt lookup, ADED) drafts from the text alone."""
-        return self._row_keeper is not None
-
     def pause_rows(self, paused: bool) -> None:
         """The edge wants no activation rows for now (Draft.rows_paused), or wants them again:
         the next Verdict then carries every row the pause held back. Paced sessions only; in

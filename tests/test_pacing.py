@@ -153,32 +153,18 @@ def test_auto_waits_only_for_answers_that_come_in_time_reliably(replies, waits):
     assert (auto.wait_s(40, now=40.0) > 0) is waits
 
 
-def test_auto_waits_only_for_a_client_that_drafts_from_the_rows():
-    """A text-only drafter's fresh draft brings nothing its re-rooted last one does not:
-    auto is server pace for it, and says so (no answer awaited)."""
-    async def go(reads_rows: bool) -> tuple[int, list[bool]]:
-        committed, inbox, fresh, said, answers = [10], Inbox(acked=10), [0], [], set()
-
-        async def forward(draft, queued_at) -> Forwarded:
-            fresh[0] += draft is not None and draft.base_length == committed[0]
-            await asyncio.sleep(0.02)
-            committed[0] += 2
-            return Forwarded(Verdict(committed[0], (), (1, 2), committed[0]), 1)
-
-        async def answer(n: int) -> None:
-            await asyncio.sleep(0.005)
-            inbox.put(DraftRequest(n, n, TREE), committed[0])
-
-        async def send(verdict: Verdict) -> None:
-            said.append(verdict.answer_awaited)
-            answers.add(asyncio.create_task(answer(verdict.committed_length)))
-        await run_paced(lambda: committed[0], lambda: committed[0] >= 40, inbox, forward, send,
-                        Pace.AUTO, lead=64, reads_rows=reads_rows)
-        return fresh[0], said
-    waited, said = asyncio.run(go(reads_rows=True))
-    assert waited >= 5 and any(said)
-    waited, said = asyncio.run(go(reads_rows=False))
-    assert waited == 0 and not any(said)
+def test_auto_is_server_pace_for_a_client_that_drafts_from_the_text_alone(tiny_server):
+    """A text-only drafter's fresh draft brings nothing its re-rooted last one does not: a
+    session that asks for no activation rows gets server pace for auto, and Opened says so
+    (server pace never waits: test_the_client_is_told_whether_its_answer_is_awaited)."""
+    policy = PacingPolicy(pace=Pace.AUTO)
+    assert policy.resolve(Pace.AUTO, 0, reads_rows=True)[0] is Pace.AUTO
+    assert policy.resolve(Pace.AUTO, 0, reads_rows=False)[0] is Pace.SERVER
+    assert policy.resolve(None, 0, reads_rows=False)[0] is Pace.SERVER
+    assert policy.resolve(Pace.LOCKSTEP, 0, reads_rows=False)[0] is Pace.LOCKSTEP
+    responses, err = run_stream(tiny_server.address,
+                                [open_msg(pace=pb.PACE_AUTO, max_new_tokens=4), CLOSE])
+    assert err is None and responses[0].opened.pace == pb.PACE_SERVER
 
 
 def test_the_client_is_told_whether_its_answer_is_awaited():
