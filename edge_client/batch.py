@@ -76,11 +76,12 @@ def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str
     }
 
 
-def method_record(options: ClientOptions) -> dict[str, Any]:
-    """How a line was generated, so runs in different modes and paces can be told apart."""
+def method_record(options: ClientOptions, result: GenerationResult) -> dict[str, Any]:
+    """How a line was generated, so runs in different modes and paces can be told apart: the
+    pace is the one the session ran (the server resolves the one asked)."""
     split = options.mode is Mode.SPLIT
     return {"mode": options.mode.value, "drafter": options.drafter if split else None,
-            "pace": options.pace.value if split and options.pace else None}
+            "pace": result.pace.value if split and result.pace else None}
 
 
 async def run_batch(client: EdgeClient, prompts: Path, out: Path) -> tuple[int, int]:
@@ -94,7 +95,7 @@ async def run_batch(client: EdgeClient, prompts: Path, out: Path) -> tuple[int, 
                 request = to_request(item, client.options)
                 result = await client.generate(request)
                 record = result_record(item_id, result, client.decode(result.output_ids))
-                record |= method_record(client.options)
+                record |= method_record(client.options, result)
                 ok += 1
             except ServerUnreachable:
                 raise

@@ -58,6 +58,9 @@ class GenerationResult:
     unverified_ids: list[int] = field(default_factory=list)  # kept unverified (policy keep)
     server_only: bool = False  # a baseline: one server-streaming call, no drafts (server_only.py)
     rtt_s: float = 0.0  # the link's round trip, from the first Open (the server's own time off)
+    # Split decoding: the pace the session ran, as Opened said (the server resolves the one
+    # asked: auto is server pace for a drafter that reads no activations, PacingPolicy.resolve)
+    pace: Pace | None = None
 
     @property
     def tau(self) -> float:
@@ -226,6 +229,7 @@ class SplitGeneration:
                                              self.request.sampling))
             self.result.ttft_s = time.perf_counter() - start
             self.result.rtt_s = max(0.0, time.perf_counter() - sent - server_s)
+            self.result.pace = opened.pace
         self._commit(verdict)
 
     @property

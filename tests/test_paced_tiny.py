@@ -31,6 +31,8 @@ def paced_outputs(address: str, drafter: str, pace: Pace, tree_nodes: int | None
 @pytest.mark.parametrize("drafter", ["pld", "aded"])
 def test_paced_greedy_equals_plain(tiny_server, tiny_target, pace, drafter):
     results = paced_outputs(tiny_server.address, drafter, pace)
+    # auto is server pace for a drafter that reads the text alone, and the result says so
+    assert {result.pace for result in results} == {Pace.SERVER}
     for prompt, result in zip(PROMPTS, results):
         plain = plain_greedy(tiny_target, prompt, MAX_NEW)
         assert compare(tiny_target, prompt, result.output_ids, plain).lossless, (prompt, pace)

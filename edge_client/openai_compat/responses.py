@@ -75,7 +75,7 @@ def usage(result: GenerationResult) -> dict[str, int]:
 def split_stats(request: ApiRequest, result: GenerationResult) -> dict[str, Any]:
     options = request.options
     return {"mode": options.mode.value, "drafter": str(options.drafter),
-            "pace": options.pace.value if options.pace else None,
+            "pace": result.pace.value if result.pace else None,
             "tau": round(result.tau, 3), "rounds": result.rounds,
             "server_calls": result.server_calls, "tokens_per_s": round(result.tokens_per_s, 2),
             "ttft_s": round(result.ttft_s, 4), "offline_tokens": result.offline_tokens,
