@@ -134,7 +134,7 @@ class EdgeClient:
             result = await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,
                 self.info.limits, self.options.draft_ahead, spacing)
-        self._spacing = spacing.carried(result.link_outpaced)
+        self._spacing = spacing.carried(result.link_outpaced, result.rtt_s)
         return result
 
     def decode(self, ids: list[int]) -> str:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from edge_client.following import (ACKS_PER_LEAD, CARRY_GENERATIONS, FIRST_REST, MAX_REST,
-                                   PATIENCE, DraftFollower, DraftSpacing, Lag, drafted_ahead)
+from edge_client.following import (
+    ACKS_PER_LEAD, CARRY_GENERATIONS, FASTER_LINK, FIRST_REST, MAX_CARRY, MAX_REST, PATIENCE,
+    DraftFollower, DraftSpacing, Lag, drafted_ahead,
+)
 from edge_client.generate import GenerationResult
 from shared.drafting.pld import PromptLookupDrafter
 from shared.messages import DraftRequest, Verdict
@@ -79,24 +81,67 @@ def test_overtaken_drafts_make_the_edge_rest_longer_up_to_a_bound():
     assert not spacing.resting and chances_until_a_draft(spacing) == 0
 
 
-def test_the_next_generation_starts_resting_where_the_last_one_rested():
-    assert not DraftSpacing().carried(outpaced=True).resting  # it drafts at once
-    spacing = DraftSpacing()
+RTT = 0.6  # a round trip far longer than the server's forward
+
+
+def rested(spacing: DraftSpacing) -> DraftSpacing:
+    """`spacing` after its drafts were overtaken until it rests."""
     for _ in range(PATIENCE + 1):
         spacing.overtaken()
-    assert not spacing.carried(outpaced=False).resting  # a fast link: the rest was by chance
+    return spacing
+
+
+def test_the_next_generation_starts_resting_where_the_last_one_rested():
+    assert not DraftSpacing().carried(outpaced=True, rtt_s=RTT).resting  # it drafts at once
+    spacing = rested(DraftSpacing())
+    # a fast link: the rest was by chance
+    assert not spacing.carried(outpaced=False, rtt_s=RTT).resting
     for _ in range(CARRY_GENERATIONS):
-        spacing = spacing.carried(outpaced=True)
+        spacing = spacing.carried(outpaced=True, rtt_s=RTT)
         assert spacing.resting  # it opens with the rows paused
         assert chances_until_a_draft(spacing) == 2 * FIRST_REST  # as long as the next rest
-    assert not spacing.carried(outpaced=True).resting  # then one learns the link afresh
+    assert not spacing.carried(outpaced=True, rtt_s=RTT).resting  # then one learns afresh
     spacing = DraftSpacing()
     for _ in range(PATIENCE):
         spacing.overtaken()
     spacing.earned()  # a draft earned, then the edge rested again before the end
     for _ in range(PATIENCE):
         spacing.overtaken()
-    assert spacing.resting and not spacing.carried(outpaced=True).resting
+    assert spacing.resting and not spacing.carried(outpaced=True, rtt_s=RTT).resting
+
+
+def carried_run(spacing: DraftSpacing, rtt_s: float = RTT) -> tuple[int, DraftSpacing]:
+    """How many generations in a row open resting after `spacing`'s, on an unchanged link,
+    and the one that learns it afresh (which rests again)."""
+    run = 0
+    while (spacing := spacing.carried(outpaced=True, rtt_s=rtt_s)).resting:
+        run += 1
+    return run, rested(spacing)
+
+
+def test_a_link_that_stays_too_slow_is_learned_again_ever_more_seldom():
+    """Each generation that learns the link afresh and rests again unpaid doubles the run of
+    generations that open resting, up to MAX_CARRY; one whose drafts earn starts over."""
+    spacing = rested(DraftSpacing())
+    runs = []
+    for _ in range(5):
+        run, spacing = carried_run(spacing)
+        runs.append(run)
+    assert runs == [CARRY_GENERATIONS, 2 * CARRY_GENERATIONS, MAX_CARRY, MAX_CARRY, MAX_CARRY]
+    spacing.earned()  # the generation that learned it earned: the link pays again
+    assert not spacing.carried(outpaced=True, rtt_s=RTT).resting
+    assert carried_run(rested(DraftSpacing()))[0] == CARRY_GENERATIONS
+
+
+def test_a_link_that_got_faster_is_learned_afresh_at_once():
+    """The round trip the rest was learned under is kept: a carried generation whose link's
+    round trip fell below FASTER_LINK of it ends the run, whatever its length."""
+    spacing = rested(DraftSpacing()).carried(outpaced=True, rtt_s=RTT)
+    spacing = spacing.carried(outpaced=True, rtt_s=RTT * 1.2)  # slower still: rests on
+    assert spacing.resting
+    spacing = spacing.carried(outpaced=True, rtt_s=RTT * (FASTER_LINK + 0.05))  # jitter
+    assert spacing.resting
+    assert not spacing.carried(outpaced=True, rtt_s=RTT * (FASTER_LINK - 0.05)).resting
 
 
 @pytest.mark.parametrize("rtt_s, rounds, outpaced", [(0.1, 9, True), (0.01, 9, False),
