@@ -72,7 +72,9 @@ class PacedDecoder:
         # client's follows are its accepted nodes, wherever the merge put them.
         client_path, own_path = client_tree.walk(said), own_tree.walk(said)
         self._precedence.observe(len(client_path), len(own_path))
-        return Forwarded(replace(verdict, accepted_nodes=tuple(client_path)), len(own_path) + 1)
+        redundant = 0 < len(client_path) <= len(own_path)  # the draft added nothing
+        return Forwarded(replace(verdict, accepted_nodes=tuple(client_path),
+                                 draft_redundant=redundant), len(own_path) + 1)
 
 
 class Precedence:

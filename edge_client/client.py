@@ -111,6 +111,7 @@ class EdgeClient:
             self._drafters = await drafter_pool(drafter, self.link, self.info,
                                                 self.options.draft_graphs,
                                                 self.options.race_aware)
+            self._spacing = DraftSpacing(reads_rows=self._drafters.needs_activations)
         collector.freeze_loaded()  # the tokenizer and drafters: no pass walks them again
         return self
 

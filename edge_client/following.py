@@ -78,10 +78,19 @@ class DraftSpacing:
     only now and then (DraftFollower.needless). Before, each probe took the rows again until it
     was overtaken: on `3g` that let 65-130 KB of missed rows a 64-token answer onto the link,
     and the Verdicts queued behind them.
+
+    An edge whose drafter reads the text alone (`reads_rows` False: prompt lookup, ADED) also
+    rests after PATIENCE drafts that added nothing to the server's own candidates, which read
+    the same text (Verdict.draft_redundant): with prompt lookup on the edge and Token Recycling
+    with lookup nodes on the server, its drafts made 0.54 messages a token on `lan` and saved
+    2 of 515 forwards (`benchmarks/results/latency_text_only_pld.md`). A drafter fed the
+    server's rows keeps drafting: what it adds comes from the rows, and resting would pause
+    them.
     """
 
-    def __init__(self) -> None:
-        self._overtaken = 0  # since the last draft that earned
+    def __init__(self, reads_rows: bool = True) -> None:
+        self.reads_rows = reads_rows
+        self._overtaken = 0  # drafts that did not pay since the last that earned
         self._rest = 0  # chances still to let pass
         self._resting = False
         self._carried = 0  # generations in a row that opened resting
@@ -108,12 +117,12 @@ class DraftSpacing:
         generation's Open) fell below FASTER_LINK of the one the rest was learned under is
         learned afresh at once. (Asking for all the rows at a probe cost more than learning: on
         `3g` they took the rest of the answer to arrive, ahead of the Verdicts.)"""
+        spacing = DraftSpacing(self.reads_rows)
         if not outpaced or not self._resting or self._paid:
-            return DraftSpacing()
+            return spacing
         learned = self._carried == 0  # this generation learned the link
         if not learned and rtt_s < FASTER_LINK * self._rest_rtt:
-            return DraftSpacing()
-        spacing = DraftSpacing()
+            return spacing
         if self._carried >= self._carry_limit:  # learn afresh; rested again, carry longer
             spacing._carry_limit = min(MAX_CARRY, 2 * self._carry_limit)
             return spacing
@@ -131,6 +140,17 @@ class DraftSpacing:
     def overtaken(self) -> None:
         """The server's text followed the draft, but no forward used it before the server got
         past its right nodes."""
+        self._unpaid()
+
+    def redundant(self) -> None:
+        """A forward accepted some of the draft's nodes, but the server's own candidates had
+        every one of those tokens (Verdict.draft_redundant)."""
+        if self.reads_rows:
+            self.earned()
+        else:
+            self._unpaid()
+
+    def _unpaid(self) -> None:
         self._overtaken += 1
         if self._overtaken >= PATIENCE:
             self._resting = True
@@ -222,7 +242,9 @@ class DraftFollower:
         if live is None or verdict.draft_id != live.round_id:
             return None
         self._live = None
-        if verdict.accepted_nodes:
+        if verdict.accepted_nodes and verdict.draft_redundant:
+            self.spacing.redundant()
+        elif verdict.accepted_nodes:
             self.spacing.earned()
         else:
             self.spacing.missed()

@@ -148,7 +148,7 @@ class SplitGeneration:
         # offline tokens verified per round
         self.max_chain = min(limits.max_tree_nodes, limits.max_tree_depth)
         self.lag = Lag(ahead)  # paced sessions: how far drafts reach (None: measured; 0: off)
-        self.spacing = spacing or DraftSpacing()
+        self.spacing = spacing or DraftSpacing(reads_rows=request.acks_rows)
         self.result = GenerationResult()
         self.opened: Opened | None = None
         self.context: list[int] = []  # prompt + committed tokens

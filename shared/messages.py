@@ -177,6 +177,9 @@ class Verdict:
     # Paced sessions: the server may wait for the answer to this Verdict (pacing.AutoPace);
     # else a mere acknowledgement may stay unsent (edge_client/following.py)
     answer_awaited: bool = False
+    # Paced sessions: the server's own candidates had every token of the draft's accepted
+    # nodes (cloud_server/paced_decoder.py); a text-only edge rests after a few (following.py)
+    draft_redundant: bool = False
 
     @property
     def base_length(self) -> int:

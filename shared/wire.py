@@ -223,7 +223,8 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
             committed_length=msg.committed_length,
             finish_reason=pb.FinishReason.Name(msg.finish_reason.value),
             timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms),
-            draft_id=msg.draft_id, more=msg.more, answer_awaited=msg.answer_awaited)
+            draft_id=msg.draft_id, more=msg.more, answer_awaited=msg.answer_awaited,
+            draft_redundant=msg.draft_redundant)
         if msg.activations is not None:
             verdict.activations.CopyFrom(_activations_to_proto(msg.activations))
         return pb.ServerMessage(verdict=verdict)
@@ -331,7 +332,7 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,
                        FinishReason(v.finish_reason), v.timings.queue_ms, v.timings.verify_ms,
                        _activations_from_proto(v.activations) if v.HasField("activations")
-                       else None, v.draft_id, v.more, v.answer_awaited)
+                       else None, v.draft_id, v.more, v.answer_awaited, v.draft_redundant)
     if kind == "done":
         d = msg.done
         return Done(FinishReason(d.finish_reason), d.generated_tokens, d.rounds)

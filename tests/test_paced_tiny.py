@@ -161,6 +161,26 @@ def test_a_verdict_names_the_clients_accepted_nodes_wherever_the_merge_put_them(
     assert session.committed[len(PROMPTS[1]):] == truth[:len(session.committed) - len(PROMPTS[1])]
 
 
+@pytest.mark.parametrize("own_reach, client_reach, redundant", [(2, 1, True), (2, 2, True),
+                                                                 (1, 3, False), (0, 1, False)])
+def test_a_verdict_says_when_the_servers_own_candidates_had_the_clients_accepted_tokens(
+        tiny_target, monkeypatch, own_reach, client_reach, redundant):
+    """Verdict.draft_redundant: the client's accepted nodes added nothing to what the server's
+    own tree alone would have committed in the same forward (a text-only edge then rests)."""
+    from cloud_server.server_decoding import ServerDecoder
+    from shared.draft_q import Proposal
+    from shared.tree import DraftTree
+
+    session, decoder = _decoder_after_prefill(tiny_target, "pld", PROMPTS[1])
+    truth = plain_greedy(tiny_target, PROMPTS[1], MAX_NEW)
+    at = len(session.committed) - len(PROMPTS[1])
+    monkeypatch.setattr(ServerDecoder, "propose", lambda self, context: Proposal(
+        DraftTree.chain(truth[at: at + own_reach])))
+    verdict = _step(tiny_target, decoder, 1, DraftTree.chain(truth[at: at + client_reach])).verdict
+    assert len(verdict.accepted_nodes) == client_reach
+    assert verdict.draft_redundant is redundant
+
+
 class _LastToken(SilentListener):
     def __init__(self) -> None:
         self.at = 0.0

@@ -119,6 +119,8 @@ def test_a_paced_verdicts_many_rows_trail_it_and_survive_the_wire():
     for part in trail:
         back = wire.server_from_proto(wire.server_to_proto(part))
         assert back == part and np.array_equal(back.values, part.values)
+    flagged = Verdict(2, (0,), (7, 8), 15, draft_id=4, answer_awaited=True, draft_redundant=True)
+    assert wire.server_from_proto(wire.server_to_proto(flagged)) == flagged
     last = Verdict(2, (0,), (7, 8), 15, FinishReason.LENGTH, activations=rows)
     assert wire.trailing(last, inline_bytes=0, max_bytes=1 << 20) == [
         Verdict(2, (0,), (7, 8), 15, FinishReason.LENGTH)]

@@ -319,7 +319,7 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations", "draft_id", "more", "answer_awaited")
+    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations", "draft_id", "more", "answer_awaited", "draft_redundant")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class Verdict(_message.Message):
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
     ANSWER_AWAITED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REDUNDANT_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -340,7 +341,8 @@ class Verdict(_message.Message):
     draft_id: int
     more: bool
     answer_awaited: bool
-    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., draft_id: _Optional[int] = ..., more: _Optional[bool] = ..., answer_awaited: _Optional[bool] = ...) -> None: ...
+    draft_redundant: bool
+    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., draft_id: _Optional[int] = ..., more: _Optional[bool] = ..., answer_awaited: _Optional[bool] = ..., draft_redundant: _Optional[bool] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("finish_reason", "generated_tokens", "rounds")
