@@ -80,12 +80,12 @@ class DraftSpacing:
     and the Verdicts queued behind them.
 
     An edge whose drafter reads the text alone (`reads_rows` False: prompt lookup, ADED) also
-    rests after PATIENCE drafts that added nothing to the server's own candidates, which read
-    the same text (Verdict.draft_redundant): with prompt lookup on the edge and Token Recycling
-    with lookup nodes on the server, its drafts made 0.54 messages a token on `lan` and saved
-    2 of 515 forwards (`benchmarks/results/latency_text_only_pld.md`). A drafter fed the
-    server's rows keeps drafting: what it adds comes from the rows, and resting would pause
-    them.
+    rests after PATIENCE drafts in a row that added nothing: wrong, or redundant with the
+    server's own candidates, which read the same text (Verdict.draft_redundant). With prompt
+    lookup on the edge and Token Recycling with lookup nodes on the server, its drafts made
+    0.54 messages a token on `lan` and saved 2 of 515 forwards
+    (`benchmarks/results/latency_text_only_pld.md`). A drafter fed the server's rows keeps
+    drafting: what it adds comes from the rows, and resting would pause them.
     """
 
     def __init__(self, reads_rows: bool = True) -> None:
@@ -158,8 +158,12 @@ class DraftSpacing:
 
     def missed(self) -> None:
         """The draft was wrong from its first node, or a forward used it and accepted none of
-        it: nothing learned of the link, but a probe that earned nothing rests again."""
-        if self._resting:
+        it: nothing learned of the link, but a probe that earned nothing rests again. For an
+        edge that drafts from the text alone it is a draft that did not pay, as a redundant
+        one: the server's own lookup reads the same text."""
+        if not self.reads_rows:
+            self._unpaid()
+        elif self._resting:
             self._rest_again()
 
     def _rest_again(self) -> None:

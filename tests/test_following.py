@@ -84,8 +84,9 @@ def test_overtaken_drafts_make_the_edge_rest_longer_up_to_a_bound():
 @pytest.mark.parametrize("reads_rows", [False, True])
 def test_a_text_only_edge_rests_from_drafts_the_servers_own_candidates_had(reads_rows):
     """Verdict.draft_redundant: a prompt-lookup edge's drafts that add nothing to the server's
-    own lookup count as drafts that did not pay, and a probe that adds something ends the
-    rest; an edge fed the server's rows keeps drafting (its rows are what it adds)."""
+    own lookup count as drafts that did not pay, as do wrong ones, and a probe that adds
+    something ends the rest; an edge fed the server's rows keeps drafting (its rows are what
+    it adds)."""
     follower = DraftFollower(Lag(), DraftSpacing(reads_rows=reads_rows))
 
     def used(redundant: bool) -> None:
@@ -98,6 +99,10 @@ def test_a_text_only_edge_rests_from_drafts_the_servers_own_candidates_had(reads
     assert chances_until_a_draft(follower.spacing) == (0 if reads_rows else FIRST_REST)
     used(redundant=False)  # the probe's tokens were the edge's own
     assert not follower.spacing.resting and chances_until_a_draft(follower.spacing) == 0
+    for _ in range(PATIENCE):  # drafts wrong from their first node
+        sent(follower, 3, DraftTree.chain([9]))
+        assert follower.due([1, 2, 3, 4])
+    assert follower.spacing.resting is not reads_rows
 
 
 RTT = 0.6  # a round trip far longer than the server's forward
