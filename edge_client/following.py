@@ -84,7 +84,9 @@ class DraftSpacing:
     server's own candidates, which read the same text (Verdict.draft_redundant). With prompt
     lookup on the edge and Token Recycling with lookup nodes on the server, its drafts made
     0.54 messages a token on `lan` and saved 2 of 515 forwards
-    (`benchmarks/results/latency_text_only_pld.md`). A drafter fed the server's rows keeps
+    (`benchmarks/results/latency_text_only_pld.md`); resting so, 0.12, at the same forwards a
+    token as server-side speculation (`latency_redundant_pld.md`). Its rest ends only when a
+    draft adds tokens the server's candidates lacked. A drafter fed the server's rows keeps
     drafting: what it adds comes from the rows, and resting would pause them.
     """
 
