@@ -81,7 +81,7 @@ def method_record(options: ClientOptions, result: GenerationResult) -> dict[str,
     pace is the one the session ran (the server resolves the one asked)."""
     split = options.mode is Mode.SPLIT
     return {"mode": options.mode.value, "drafter": options.drafter if split else None,
-            "pace": result.pace.value if split and result.pace else None}
+            "pace": result.pace.value if result.pace else None}
 
 
 async def run_batch(client: EdgeClient, prompts: Path, out: Path) -> tuple[int, int]:

@@ -92,7 +92,7 @@ class DraftSpacing:
 
     def __init__(self, reads_rows: bool = True) -> None:
         self.reads_rows = reads_rows
-        self._overtaken = 0  # drafts that did not pay since the last that earned
+        self._unpaid = 0  # drafts that did not pay since the last that earned
         self._rest = 0  # chances still to let pass
         self._resting = False
         self._carried = 0  # generations in a row that opened resting
@@ -128,7 +128,7 @@ class DraftSpacing:
         if self._carried >= self._carry_limit:  # learn afresh; rested again, carry longer
             spacing._carry_limit = min(MAX_CARRY, 2 * self._carry_limit)
             return spacing
-        spacing._overtaken, spacing._resting = self._overtaken, True
+        spacing._unpaid, spacing._resting = self._unpaid, True
         spacing._carried, spacing._carry_limit = self._carried + 1, self._carry_limit
         spacing._rest_rtt = rtt_s if learned else self._rest_rtt
         spacing._rest_again()
@@ -136,13 +136,13 @@ class DraftSpacing:
 
     def earned(self) -> None:
         """A forward accepted one of the draft's nodes."""
-        self._overtaken = self._rest = 0
+        self._unpaid = self._rest = 0
         self._resting, self._paid = False, True
 
     def overtaken(self) -> None:
         """The server's text followed the draft, but no forward used it before the server got
         past its right nodes."""
-        self._unpaid()
+        self._not_paid()
 
     def redundant(self) -> None:
         """A forward accepted some of the draft's nodes, but the server's own candidates had
@@ -150,11 +150,11 @@ class DraftSpacing:
         if self.reads_rows:
             self.earned()
         else:
-            self._unpaid()
+            self._not_paid()
 
-    def _unpaid(self) -> None:
-        self._overtaken += 1
-        if self._overtaken >= PATIENCE:
+    def _not_paid(self) -> None:
+        self._unpaid += 1
+        if self._unpaid >= PATIENCE:
             self._resting = True
             self._rest_again()
 
@@ -164,12 +164,12 @@ class DraftSpacing:
         edge that drafts from the text alone it is a draft that did not pay, as a redundant
         one: the server's own lookup reads the same text."""
         if not self.reads_rows:
-            self._unpaid()
+            self._not_paid()
         elif self._resting:
             self._rest_again()
 
     def _rest_again(self) -> None:
-        self._rest = min(MAX_REST, FIRST_REST * 2 ** max(0, self._overtaken - PATIENCE))
+        self._rest = min(MAX_REST, FIRST_REST * 2 ** max(0, self._unpaid - PATIENCE))
 
     @property
     def resting(self) -> bool:

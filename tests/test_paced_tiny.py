@@ -213,3 +213,17 @@ def test_at_server_pace_the_edge_leaves_mere_acknowledgements_unsent(tiny_server
     results = paced_outputs(tiny_server.address, "pld", Pace.SERVER)
     # Answering every Verdict: the Open, an answer to each but the last, the Close
     assert sum(r.messages_up for r in results) < sum(r.rounds for r in results)
+
+
+
+def test_a_prompt_lookup_edge_gets_the_text_only_spacing_and_keeps_it(tiny_server):
+    """The client gives an edge whose drafter reads no activation rows the spacing that rests
+    from drafts that added nothing (DraftSpacing.reads_rows False, test_following.py has what
+    it does), and carries it to the next generation."""
+    async def go():
+        options = ClientOptions("pld", None, MAX_NEW, pace=Pace.SERVER)
+        async with EdgeClient(tiny_server.address, options) as client:
+            opened = client._spacing.reads_rows
+            await client.generate(options.open_request(prompt_ids=PROMPTS[0]))
+            return opened, client._spacing.reads_rows
+    assert asyncio.run(go()) == (False, False)
