@@ -226,6 +226,13 @@ FORWARD_THRIFT = 0.1
 # AutoPace: forwards after the client's answer it measures before it trusts gain_client. Until
 # then it waits (within half a step) for an answer due in time, to learn what drafts are worth
 LEARNING_FORWARDS = 3
+# AutoPace: forwards without the client's answer, at least, before it measures the client's
+# drafts again where its own candidates fell off; doubles each time, so a text on which they
+# never pay costs a few learning waits, not one in every few forwards
+RELEARN_AFTER = 8
+# ... and where they commit at most this share of what they did in the learning forwards: the
+# running mean of a forward's tokens (1 to 4 and more) moves by about a quarter on its own
+FELL_OFF = 0.75
 
 
 @dataclass
@@ -235,8 +242,8 @@ class AutoPace:
     A forward after the client's answer (a fresh draft, or none) commits `gain_client` tokens
     on average in `client_step_s`; without the answer it would have committed `gain_alone`
     (what the server's own tree follows of the same forwards' tokens), and one before the
-    answer takes `step_s` (the merged tree of a fresh draft is larger, and on a CPU server a larger tree
-    costs clearly more). Waiting w for the draft pays when
+    answer takes `step_s` (the merged tree of a fresh draft is larger, and on a CPU server a
+    larger tree costs clearly more). Waiting w for the draft pays when
     gain_client / (w + client_step_s) > t * gain_alone / step_s, i.e.
     w < gain_client * step_s / (t * gain_alone) - client_step_s, where
     t = 1 - min(FORWARD_THRIFT, 1 - gain_alone / gain_client): a wait that costs the session a
@@ -258,6 +265,10 @@ class AutoPace:
     with the client's draft commits more per forward. So a busy server waits for an answer due
     within LOADED_WAIT_STEPS steps. A client that rests from drafting (Draft.rows_paused)
     answers only now and then, and is not waited for.
+
+    Where auto stopped waiting and the server's own candidates then commit clearly less
+    than in the forwards it learned from, it learns again (`_measured_elsewhere`), at most
+    once per RELEARN_AFTER forwards, doubling.
 
     Until LEARNING_FORWARDS forwards after an answer are measured, gain_client is a prior,
     and auto waits up to half a step for an answer due in time, to measure it. Before, where
@@ -285,22 +296,29 @@ class AutoPace:
     # In the forwards after the client's answer: what the server's own candidates alone would
     # have committed (None: not measured)
     gain_alone: float | None = None
-    fresh_forwards: int = 0  # measured forwards after the client's answer
+    fresh_forwards: int = 0  # measured forwards after the client's answer (since learning)
     drafted: bool = False  # the client has sent a draft with nodes (Inbox.drafted)
+    since_fresh: int = 0  # forwards since the last one after the client's answer
+    relearn_after: int = RELEARN_AFTER
     _sent_at: dict[int, float] = field(default_factory=dict)
 
     def allowance_s(self) -> float:
-        step = self.step_s or 0.03
         if self.fresh_forwards < LEARNING_FORWARDS:
-            return step / 2 if self.drafted else 0.0
+            return (self.step_s or 0.03) / 2 if self.drafted else 0.0
+        return self._worth_s(self.without_draft())
+
+    def _worth_s(self, alone: float) -> float:
+        """The longest wait for a fresh draft that pays against forwards committing `alone`
+        tokens without it."""
+        step = self.step_s or 0.03
         # The share of its token rate the session gives up is at most the share of forwards
         # the wait saves: for drafts that add next to nothing, none (measured on `lan` with
         # prompt lookup on the edge: a flat 10% had auto wait 4 ms a forward, 5% of the
         # generation, for drafts that added 0.01 tokens a forward)
-        saved = 1 - self.without_draft() / self.gain_client
+        saved = 1 - alone / self.gain_client
         if saved <= 0:
             return 0.0
-        server_rate = (1 - min(FORWARD_THRIFT, saved)) * self.without_draft() / step
+        server_rate = (1 - min(FORWARD_THRIFT, saved)) * alone / step
         worth = self.gain_client / server_rate - (self.client_step_s or step)
         return min(step / 2, max(0.0, worth))
 
@@ -315,8 +333,12 @@ class AutoPace:
         waited for only when it comes within the allowance reliably (`wait_s`); until the
         reply time is measured, it is awaited, so that it gets measured."""
         allowance = self._allowance(busy)
-        return allowance > 0 and (self.reply_s is None
-                                  or self.reply_s + 2 * self.reply_spread_s <= allowance)
+        return allowance > 0 and (self.reply_s is None or self._in_time(allowance))
+
+    def _in_time(self, allowance: float) -> bool:
+        """The client's answers come within `allowance` reliably (reply time measured)."""
+        return (self.reply_s is not None
+                and self.reply_s + 2 * self.reply_spread_s <= allowance)
 
     def _allowance(self, busy: bool) -> float:
         if busy and self.gain_client > self.without_draft():
@@ -373,9 +395,27 @@ class AutoPace:
             self.client_step_s = _ema(self.client_step_s, step_s, weight)
             if alone is not None:  # a forward commits its own token at least
                 self.gain_alone = _ema(self.gain_alone, max(1, alone), weight)
+            self.since_fresh = 0
         else:
             self.gain_server = max(1.0, _ema(self.gain_server, tokens))
             self.step_s = _ema(self.step_s, step_s)
+            self.since_fresh += 1
+            if self._measured_elsewhere():
+                self.fresh_forwards, self.relearn_after = 0, 2 * self.relearn_after
+
+    def _measured_elsewhere(self) -> bool:
+        """Whether what keeps auto from waiting was measured on text unlike the present: it
+        set the client's drafts against the `gain_alone` the server's own candidates
+        committed in the learning forwards, but those now commit `gain_server`, few enough
+        that a wait for an answer due in time would pay. Then the next forwards learn again.
+        Measured on a loopback link before: learning forwards on a stretch the server's
+        lookup and recycled candidates followed (code, a list) said drafts added 0-0.3
+        tokens, auto never waited again, and the server's own candidates then committed
+        1.1-1.3 tokens a forward where the drafts, in lock-step, brought 1.9."""
+        return (self.fresh_forwards >= LEARNING_FORWARDS
+                and self.since_fresh >= self.relearn_after
+                and self.gain_server <= FELL_OFF * self.without_draft()
+                and self._in_time(self._worth_s(self.gain_server)))
 
 
 @dataclass(frozen=True)

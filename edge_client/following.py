@@ -68,9 +68,10 @@ class DraftSpacing:
     draft then only costs the edge CPU, and the rows it drafts from cost the downlink about
     1 KB a token, ahead of the Verdicts. Resting cut the edge's drafting time there about 4x
     and the bytes 21-29% (docs/performance.md, "An edge that rests from drafts that come too
-    late"). So after PATIENCE drafts that the server overtook unused (their first nodes were
-    right, and a faster link would have had them accepted; a draft wrong from its first node
-    says nothing of the link) the edge rests: it
+    late"). So after PATIENCE drafts that the server overtook unused on a link whose round
+    trip outlasts a forward (their first nodes were right, and a faster link would have had
+    them accepted; a draft wrong from its first node says nothing of the link) the edge
+    rests: it
     lets FIRST_REST chances pass, doubling with every probe overtaken too up to MAX_REST, then
     probes with a draft from what it holds. A rest ends only when a draft gets a node
     accepted; a probe that earns nothing starts the next rest. All the while the edge wants
@@ -139,10 +140,20 @@ class DraftSpacing:
         self._unpaid = self._rest = 0
         self._resting, self._paid = False, True
 
-    def overtaken(self) -> None:
+    def overtaken(self, outpaced: bool) -> None:
         """The server's text followed the draft, but no forward used it before the server got
-        past its right nodes."""
-        self._not_paid()
+        past its right nodes. Where the link is not `outpaced` (a draft sent on a Verdict
+        arrives before the next forward ends), the server chose not to wait for it (server
+        pace, or auto while it judged a wait not worth it): that says nothing of the link, so a
+        drafter fed the server's rows does not rest from it and its drafts stay there for the
+        server's auto pace to measure again (cloud_server/pacing.py, AutoPace). Measured on a
+        loopback link before: on 2 of 4 prompts auto stopped waiting after three forwards in
+        which the server's own candidates did as well as the draft, the edge rested three
+        drafts later, and the rest of the answer ran at 0.67-0.72 forwards a token against
+        lock-step's 0.52-0.61. A drafter that reads the text alone rests from it still: the
+        server's own lookup had those tokens."""
+        if outpaced or not self.reads_rows:
+            self._not_paid()
 
     def redundant(self) -> None:
         """A forward accepted some of the draft's nodes, but the server's own candidates had
@@ -220,10 +231,11 @@ class DraftFollower:
         news = draft.rows_held != last.rows_held or draft.rows_paused != last.rows_paused
         return not news and (not awaited or draft.rows_paused)
 
-    def due(self, context: Sequence[int]) -> bool:
+    def due(self, context: Sequence[int], outpaced: bool) -> bool:
         """True when a new draft is due: the live one no longer has nodes past `context`. A
         live draft the server overtook before using it (right as far as it reached) tells the
-        lag it was at least that deep."""
+        lag it was at least that deep; `outpaced`: the link's round trip is longer than a
+        forward (DraftSpacing.overtaken)."""
         live = self._live
         if live is None:
             return True
@@ -234,7 +246,7 @@ class DraftFollower:
         if path and not live.tree.children(path[-1]):  # right down to a leaf, and overtaken
             self.lag.observe(len(since))
         if path:  # right as far as `path`, but no forward used it before the server got past
-            self.spacing.overtaken()
+            self.spacing.overtaken(outpaced)
         else:
             self.spacing.missed()
         self._live = None

@@ -300,7 +300,7 @@ class SplitGeneration:
         now and then where the edge rests or the server does not wait for the answer
         (`awaited`; DraftFollower.needless)."""
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
-        if follower.due(self.context) and (self.offline or follower.spacing.chance()):
+        if follower.due(self.context, self.result.link_outpaced) and (self.offline or follower.spacing.chance()):
             proposal, _ = self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from cloud_server.pacing import (
-    LEARNING_FORWARDS, AutoPace, Forwarded, Inbox, Outbox, PacingPolicy, run_paced,
+    LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, Forwarded, Inbox, Outbox, PacingPolicy, run_paced,
 )
 from shared import wire
 from shared.errors import OutOfOrder
@@ -226,6 +226,49 @@ def test_under_load_auto_waits_longer_for_drafts_that_pay():
     assert auto.wait_s(10, now=0.0, busy=True) == 0.0
     auto.reply_s, auto.gain_client = 0.1, 1.0  # drafts that do not pay: no wait at all
     assert auto.wait_s(10, now=0.0, busy=True) == 0.0
+
+
+def learnt_not_to_wait(reply_s: float) -> AutoPace:
+    """Auto after learning forwards in which the server's own candidates committed as much as
+    the client's drafts brought (2 tokens), with answers due in `reply_s`."""
+    auto = AutoPace(step_s=0.075, reply_s=reply_s, drafted=True)
+    for _ in range(LEARNING_FORWARDS):
+        auto.forwarded(tokens=2, fresh=True, step_s=0.075, alone=2)
+    assert auto.allowance_s() == 0.0
+    return auto
+
+
+def test_auto_learns_again_where_its_own_candidates_fell_off():
+    """Drafts measured as adding nothing on a stretch the server's own candidates followed:
+    once those commit one token a forward, auto measures the drafts again (it waits to
+    learn), and does so ever more seldom while they still add nothing."""
+    auto = learnt_not_to_wait(reply_s=0.006)
+    for _ in range(RELEARN_AFTER - 1):
+        auto.forwarded(tokens=1, fresh=False, step_s=0.075)
+    assert auto.allowance_s() == 0.0  # not yet: a few forwards do not make a text
+    auto.forwarded(tokens=1, fresh=False, step_s=0.075)
+    assert auto.allowance_s() == pytest.approx(0.0375)  # learning: half a step
+    auto.sent(10, now=0.0)
+    assert auto.wait_s(10, now=0.0) == pytest.approx(0.006)
+    for _ in range(LEARNING_FORWARDS):  # the server's own candidates followed again
+        auto.forwarded(tokens=2, fresh=True, step_s=0.075, alone=2)
+    for _ in range(2 * RELEARN_AFTER - 1):  # twice as long before the next learning
+        auto.forwarded(tokens=1, fresh=False, step_s=0.075)
+        assert auto.allowance_s() == 0.0
+    auto.forwarded(tokens=1, fresh=False, step_s=0.075)
+    for _ in range(LEARNING_FORWARDS):  # now the drafts add a token a forward: waited for
+        auto.forwarded(tokens=2, fresh=True, step_s=0.075, alone=1)
+    assert auto.wait_s(10, now=0.0) == pytest.approx(0.006)
+
+
+@pytest.mark.parametrize("reply_s, tokens", [(0.06, 1), (0.006, 2)])
+def test_auto_learns_again_only_where_a_wait_could_pay(reply_s, tokens):
+    """No second learning where answers come too late for any wait (a slow link), or where
+    the server's own candidates commit as much as before."""
+    auto = learnt_not_to_wait(reply_s)
+    for _ in range(4 * RELEARN_AFTER):
+        auto.forwarded(tokens=tokens, fresh=False, step_s=0.075)
+        assert auto.allowance_s() == 0.0
 
 
 def test_auto_learns_what_fresh_drafts_are_worth():
