@@ -516,3 +516,32 @@ def test_auto_stops_waiting_for_answers_that_bring_no_draft(first_draft, waits):
                         Pace.AUTO, lead=64)
         return [w for w in waits if w > 0]
     assert len(asyncio.run(go())) in waits
+
+
+def test_auto_waits_again_once_its_own_candidates_fall_off():
+    """The learning forwards fall where the server's own tree commits what the client's drafts
+    do (2 tokens); afterwards its forwards commit 1 while a fresh draft would still bring 2.
+    Auto stops waiting after learning, then learns again and waits to the end (before, it
+    never waited again: the rest of the answer ran at the server's own 1 token a forward)."""
+    async def go() -> list[bool]:
+        committed, inbox, said = [10], Inbox(acked=10), []
+
+        async def forward(draft, queued_at) -> Forwarded:
+            await asyncio.sleep(0.02)
+            fresh = draft is not None and draft.base_length == committed[0]
+            alone = 2 if len(said) < 8 else 1
+            tokens = 2 if fresh else alone
+            committed[0] += tokens
+            return Forwarded(Verdict(committed[0], (), (1,) * tokens, committed[0]), alone)
+
+        async def send(verdict: Verdict) -> None:
+            said.append(verdict.answer_awaited)
+            n = verdict.committed_length
+            asyncio.get_running_loop().call_later(0.003, inbox.put, DraftRequest(n, n, TREE), n)
+        await run_paced(lambda: committed[0], lambda: len(said) >= 40, inbox, forward, send,
+                        Pace.AUTO, lead=128)
+        return said
+    said = asyncio.run(go())
+    learning = said.index(True)
+    assert not all(said[learning:20])  # learnt on the easy stretch: waits stopped
+    assert all(said[-5:])  # learnt again: every answer awaited
