@@ -68,17 +68,16 @@ class DraftSpacing:
     draft then only costs the edge CPU, and the rows it drafts from cost the downlink about
     1 KB a token, ahead of the Verdicts. Resting cut the edge's drafting time there about 4x
     and the bytes 21-29% (docs/performance.md, "An edge that rests from drafts that come too
-    late"). So after PATIENCE drafts that the server overtook unused on a link whose round
-    trip outlasts a forward (their first nodes were right, and a faster link would have had
-    them accepted; a draft wrong from its first node says nothing of the link) the edge
-    rests: it
-    lets FIRST_REST chances pass, doubling with every probe overtaken too up to MAX_REST, then
-    probes with a draft from what it holds. A rest ends only when a draft gets a node
-    accepted; a probe that earns nothing starts the next rest. All the while the edge wants
-    no rows (Draft.rows_paused; they wait on the server, cloud_server/pacing.py) and answers
-    only now and then (DraftFollower.needless). Before, each probe took the rows again until it
-    was overtaken: on `3g` that let 65-130 KB of missed rows a 64-token answer onto the link,
-    and the Verdicts queued behind them.
+    late"). So after PATIENCE drafts that the server overtook unused on a link too slow for
+    the server to wait for a draft (their first nodes were right, and a faster link would
+    have had them accepted; a draft wrong from its first node says nothing of the link) the
+    edge rests: it lets FIRST_REST chances pass, doubling with every probe overtaken too up
+    to MAX_REST, then probes with a draft from what it holds. A rest ends only when a draft
+    gets a node accepted; a probe that earns nothing starts the next rest. All the while the
+    edge wants no rows (Draft.rows_paused; they wait on the server, cloud_server/pacing.py)
+    and answers only now and then (DraftFollower.needless). Before, each probe took the rows
+    again until it was overtaken: on `3g` that let 65-130 KB of missed rows a 64-token answer
+    onto the link, and the Verdicts queued behind them.
 
     An edge whose drafter reads the text alone (`reads_rows` False: prompt lookup, ADED) also
     rests after PATIENCE drafts in a row that added nothing: wrong, or redundant with the
@@ -140,19 +139,23 @@ class DraftSpacing:
         self._unpaid = self._rest = 0
         self._resting, self._paid = False, True
 
-    def overtaken(self, outpaced: bool) -> None:
+    def overtaken(self, link_slow: bool) -> None:
         """The server's text followed the draft, but no forward used it before the server got
-        past its right nodes. Where the link is not `outpaced` (a draft sent on a Verdict
-        arrives before the next forward ends), the server chose not to wait for it (server
-        pace, or auto while it judged a wait not worth it): that says nothing of the link, so a
-        drafter fed the server's rows does not rest from it and its drafts stay there for the
-        server's auto pace to measure again (cloud_server/pacing.py, AutoPace). Measured on a
-        loopback link before: on 2 of 4 prompts auto stopped waiting after three forwards in
-        which the server's own candidates did as well as the draft, the edge rested three
-        drafts later, and the rest of the answer ran at 0.67-0.72 forwards a token against
-        lock-step's 0.52-0.61. A drafter that reads the text alone rests from it still: the
-        server's own lookup had those tokens."""
-        if outpaced or not self.reads_rows:
+        past its right nodes. Where the link is not `link_slow` (its round trip is within the
+        longest wait auto pace gives an answer, GenerationResult.link_slow), the server chose
+        not to wait for the draft (server pace, or auto while it judged a wait not worth it):
+        that says nothing of the link, so a drafter fed the server's rows does not rest from
+        it and its drafts stay there for the server's auto pace to measure again
+        (cloud_server/pacing.py, AutoPace). Measured on a loopback link before: on 2 of 4
+        prompts auto stopped waiting after three forwards in which the server's own candidates
+        did as well as the draft, the edge rested three drafts later, and the rest of the
+        answer ran at 0.67-0.72 forwards a token against lock-step's 0.52-0.61. (With the line
+        drawn at a whole forward instead, on `5g` the edge kept drafting where auto can never
+        wait: 60% more drafting time and 13% more bytes a token than in the run before, for
+        11% of the text against 7%.) A
+        drafter that reads the text alone rests from it still: the server's own lookup had
+        those tokens."""
+        if link_slow or not self.reads_rows:
             self._not_paid()
 
     def redundant(self) -> None:
@@ -231,11 +234,11 @@ class DraftFollower:
         news = draft.rows_held != last.rows_held or draft.rows_paused != last.rows_paused
         return not news and (not awaited or draft.rows_paused)
 
-    def due(self, context: Sequence[int], outpaced: bool) -> bool:
+    def due(self, context: Sequence[int], link_slow: bool) -> bool:
         """True when a new draft is due: the live one no longer has nodes past `context`. A
         live draft the server overtook before using it (right as far as it reached) tells the
-        lag it was at least that deep; `outpaced`: the link's round trip is longer than a
-        forward (DraftSpacing.overtaken)."""
+        lag it was at least that deep; `link_slow`: no wait of the server's can cover the
+        link's round trip (DraftSpacing.overtaken)."""
         live = self._live
         if live is None:
             return True
@@ -246,7 +249,7 @@ class DraftFollower:
         if path and not live.tree.children(path[-1]):  # right down to a leaf, and overtaken
             self.lag.observe(len(since))
         if path:  # right as far as `path`, but no forward used it before the server got past
-            self.spacing.overtaken(outpaced)
+            self.spacing.overtaken(link_slow)
         else:
             self.spacing.missed()
         self._live = None

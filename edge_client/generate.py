@@ -83,6 +83,14 @@ class GenerationResult:
         return self.rounds > 0 and self.rtt_s > self.verify_s / (self.rounds + 1)
 
     @property
+    def link_slow(self) -> bool:
+        """The link's round trip is longer than the longest wait auto pace gives the edge's
+        answer, half the server's mean time per forward (cloud_server/pacing.py, AutoPace): no
+        draft sent on a Verdict is waited for, so one the server overtook came too late by the
+        link, not by the server's choice."""
+        return self.rounds > 0 and self.rtt_s > self.verify_s / (self.rounds + 1) / 2
+
+    @property
     def tokens_per_s(self) -> float:
         return len(self.output_ids) / self.wall_s if self.wall_s else 0.0
 
@@ -300,7 +308,8 @@ class SplitGeneration:
         now and then where the edge rests or the server does not wait for the answer
         (`awaited`; DraftFollower.needless)."""
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
-        if follower.due(self.context, self.result.link_outpaced) and (self.offline or follower.spacing.chance()):
+        due = follower.due(self.context, self.result.link_slow)
+        if due and (self.offline or follower.spacing.chance()):
             proposal, _ = self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)

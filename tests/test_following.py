@@ -45,14 +45,14 @@ def test_an_overtaken_draft_teaches_a_lower_bound_and_a_wrong_one_nothing():
     lag = Lag()
     follower = DraftFollower(lag)
     sent(follower, 2, DraftTree.chain([3, 4]))
-    assert not follower.due([1, 2, 3], outpaced=True)  # still continues the text
+    assert not follower.due([1, 2, 3], link_slow=True)  # still continues the text
     # right to its leaf, but the server is past it
-    assert follower.due([1, 2, 3, 4, 5, 6], outpaced=True)
+    assert follower.due([1, 2, 3, 4, 5, 6], link_slow=True)
     assert lag.mean == pytest.approx(1.2)
     sent(follower, 2, DraftTree.chain([3, 4]))
-    assert follower.due([1, 2, 9, 9], outpaced=True)  # another text: says nothing of the lag
+    assert follower.due([1, 2, 9, 9], link_slow=True)  # another text: says nothing of the lag
     assert lag.mean == pytest.approx(1.2)
-    assert follower.due([1, 2, 9, 9], outpaced=True)  # no live draft: always due
+    assert follower.due([1, 2, 9, 9], link_slow=True)  # no live draft: always due
 
 
 def chances_until_a_draft(spacing: DraftSpacing) -> int:
@@ -63,18 +63,18 @@ def chances_until_a_draft(spacing: DraftSpacing) -> int:
 def test_overtaken_drafts_make_the_edge_rest_longer_up_to_a_bound():
     spacing = DraftSpacing()
     for _ in range(PATIENCE - 1):
-        spacing.overtaken(outpaced=True)
+        spacing.overtaken(link_slow=True)
     assert not spacing.resting and chances_until_a_draft(spacing) == 0
-    spacing.overtaken(outpaced=True)
+    spacing.overtaken(link_slow=True)
     assert spacing.resting  # so it wants no rows either
     assert chances_until_a_draft(spacing) == FIRST_REST
     assert spacing.resting  # the probe goes without the rows
-    spacing.overtaken(outpaced=True)  # the probe earned nothing
+    spacing.overtaken(link_slow=True)  # the probe earned nothing
     assert chances_until_a_draft(spacing) == 2 * FIRST_REST
     spacing.missed()  # a probe wrong from its first node rests as long again
     assert spacing.resting and chances_until_a_draft(spacing) == 2 * FIRST_REST
     for _ in range(20):
-        spacing.overtaken(outpaced=True)
+        spacing.overtaken(link_slow=True)
     assert chances_until_a_draft(spacing) == MAX_REST  # still probes
     spacing.earned()
     assert not spacing.resting and chances_until_a_draft(spacing) == 0
@@ -102,7 +102,7 @@ def test_a_text_only_edge_rests_from_drafts_the_servers_own_candidates_had(reads
     assert not follower.spacing.resting and chances_until_a_draft(follower.spacing) == 0
     for _ in range(PATIENCE):  # drafts wrong from their first node
         sent(follower, 3, DraftTree.chain([9]))
-        assert follower.due([1, 2, 3, 4], outpaced=True)
+        assert follower.due([1, 2, 3, 4], link_slow=True)
     assert follower.spacing.resting is not reads_rows
 
 
@@ -112,7 +112,7 @@ RTT = 0.6  # a round trip far longer than the server's forward
 def rested(spacing: DraftSpacing) -> DraftSpacing:
     """`spacing` after its drafts were overtaken until it rests."""
     for _ in range(PATIENCE + 1):
-        spacing.overtaken(outpaced=True)
+        spacing.overtaken(link_slow=True)
     return spacing
 
 
@@ -128,10 +128,10 @@ def test_the_next_generation_starts_resting_where_the_last_one_rested():
     assert not spacing.carried(outpaced=True, rtt_s=RTT).resting  # then one learns afresh
     spacing = DraftSpacing()
     for _ in range(PATIENCE):
-        spacing.overtaken(outpaced=True)
+        spacing.overtaken(link_slow=True)
     spacing.earned()  # a draft earned, then the edge rested again before the end
     for _ in range(PATIENCE):
-        spacing.overtaken(outpaced=True)
+        spacing.overtaken(link_slow=True)
     assert spacing.resting and not spacing.carried(outpaced=True, rtt_s=RTT).resting
 
 
@@ -176,20 +176,27 @@ def test_a_link_is_outpaced_when_its_round_trip_passes_a_forward(rtt_s, rounds, 
     assert result.link_outpaced is outpaced
 
 
+@pytest.mark.parametrize("rtt_s, slow", [(0.04, True), (0.02, False)])
+def test_a_link_is_slow_when_no_wait_of_auto_pace_covers_its_round_trip(rtt_s, slow):
+    """Auto pace waits for an answer at most half a forward: 25 ms of these 50 ms forwards."""
+    result = GenerationResult(rounds=9, verify_s=0.05 * 10, rtt_s=rtt_s)
+    assert result.link_slow is slow and not result.link_outpaced
+
+
 def test_the_follower_rests_after_overtaken_drafts_and_not_after_wrong_ones():
     follower = DraftFollower(Lag())
     for i in range(PATIENCE - 1):  # right to their leaf, but the server got there first
         sent(follower, 2, DraftTree.chain([3, 4]))
-        assert follower.due([1, 2, 3, 4, 5, 6 + i], outpaced=True)
+        assert follower.due([1, 2, 3, 4, 5, 6 + i], link_slow=True)
     for i in range(3):  # wrong from their first node: they say nothing of the link
         sent(follower, 2, DraftTree.chain([3, 4]))
-        assert follower.due([1, 2, 9, 9 + i], outpaced=True)
+        assert follower.due([1, 2, 9, 9 + i], link_slow=True)
         draft = sent(follower, 2, DraftTree.chain([3, 4]))
         follower.verified(Verdict(1, (), (9,), 3, draft_id=draft.round_id), [1, 2])
     assert not follower.spacing.resting
     sent(follower, 2, DraftTree.chain([3, 4]))
     # right at first: a faster link would have had it
-    assert follower.due([1, 2, 3, 7, 5], outpaced=True)
+    assert follower.due([1, 2, 3, 7, 5], link_slow=True)
     assert follower.spacing.resting
     draft = sent(follower, 2, DraftTree.chain([3, 4]))
     follower.verified(Verdict(1, (0,), (3, 4), 4, draft_id=draft.round_id), [1, 2])
@@ -205,7 +212,7 @@ def test_drafts_overtaken_on_a_fast_link_rest_only_a_text_only_edge(reads_rows):
     follower = DraftFollower(Lag(), DraftSpacing(reads_rows=reads_rows))
     for i in range(PATIENCE):
         sent(follower, 2, DraftTree.chain([3, 4]))
-        assert follower.due([1, 2, 3, 4, 5, 6 + i], outpaced=False)
+        assert follower.due([1, 2, 3, 4, 5, 6 + i], link_slow=False)
     assert follower.spacing.resting is not reads_rows
     assert chances_until_a_draft(follower.spacing) == (0 if reads_rows else FIRST_REST)
 
