@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 from shared import wire
 from shared.drafting.base import DrafterName
 from shared.errors import OutOfOrder
-from shared.messages import ActivationRows, DraftRequest, Pace, Verdict
+from shared.messages import AUTO_LONGEST_WAIT, ActivationRows, DraftRequest, Pace, Verdict
 
 
 @dataclass(frozen=True)
@@ -305,7 +305,7 @@ class AutoPace:
 
     def allowance_s(self) -> float:
         if self.fresh_forwards < LEARNING_FORWARDS:
-            return (self.step_s or 0.03) / 2 if self.drafted else 0.0
+            return (self.step_s or 0.03) * AUTO_LONGEST_WAIT if self.drafted else 0.0
         return self._worth_s(self.without_draft())
 
     def _worth_s(self, alone: float) -> float:
@@ -321,7 +321,7 @@ class AutoPace:
             return 0.0
         server_rate = (1 - min(FORWARD_THRIFT, saved)) * alone / step
         worth = self.gain_client / server_rate - (self.client_step_s or step)
-        return min(step / 2, max(0.0, worth))
+        return min(step * AUTO_LONGEST_WAIT, max(0.0, worth))
 
     def without_draft(self) -> float:
         """What a forward the server does not wait for commits: gain_alone once measured."""

@@ -152,9 +152,8 @@ class DraftSpacing:
         answer ran at 0.67-0.72 forwards a token against lock-step's 0.52-0.61. (With the line
         drawn at a whole forward instead, on `5g` the edge kept drafting where auto can never
         wait: 60% more drafting time and 13% more bytes a token than in the run before, for
-        11% of the text against 7%.) A
-        drafter that reads the text alone rests from it still: the server's own lookup had
-        those tokens."""
+        11% of the text against 7%.) A drafter that reads the text alone rests from it still:
+        the server's own lookup had those tokens."""
         if link_slow or not self.reads_rows:
             self._not_paid()
 

@@ -23,8 +23,8 @@ from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
 from shared.draft_q import Proposal, point_masses
 from shared.messages import (
-    ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened,
-    Pace, Resume, Verdict,
+    AUTO_LONGEST_WAIT, ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits,
+    OpenRequest, Opened, Pace, Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
@@ -83,10 +83,10 @@ class GenerationResult:
     @property
     def link_slow(self) -> bool:
         """The link's round trip is longer than the longest wait auto pace gives the edge's
-        answer, half the server's mean time per forward (cloud_server/pacing.py, AutoPace): no
+        answer, a share of the server's mean time per forward (AUTO_LONGEST_WAIT): no
         draft sent on a Verdict is waited for, so one the server overtook came too late by the
         link, not by the server's choice."""
-        return self._round_trip_past(0.5)
+        return self._round_trip_past(AUTO_LONGEST_WAIT)
 
     def _round_trip_past(self, forwards: float) -> bool:
         """The round trip is longer than `forwards` of the server's mean forward (the prefill

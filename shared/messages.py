@@ -41,6 +41,12 @@ class Pace(enum.Enum):
     AUTO = "auto"  # as server, waiting for a draft in flight while that is worth it
 
 
+# Pace AUTO waits for the client's answer at most this share of a forward (a wait that times
+# out is pure loss): the server caps its waits so, and the edge knows that a draft on a link
+# whose round trip passes it is never waited for
+AUTO_LONGEST_WAIT = 0.5
+
+
 class ActivationFormat(enum.Enum):
     FP16 = 1
     INT8 = 2
