@@ -32,11 +32,11 @@ import numpy as np
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, parse_cores, placement, python_module)
 from benchmarks.reliability import log, prompt_items, server_metrics
+from cloud_server.device import Device, Precision
 from tests.cli_harness import free_port
 
 METHODS = ("split", "server-spec", "plain-api")
 SERVERS = {"batched": (), "unbatched": ("--batch-tokens", "0")}
-START_DELAY_S = 8.0  # client processes load their drafter before the common start
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +50,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-client", type=int, default=2, help="generations each client runs, "
                    "one after another")
     p.add_argument("--name", default="capacity")
+    p.add_argument("--start-delay-s", type=float, default=8.0, help="the client processes load "
+                   "their drafters before a common start this long after they are launched")
+    p.add_argument("--device", choices=[d.value for d in Device], default=Device.CPU.value,
+                   help="where the server runs the target (cloud-server --device)")
+    p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.FP32.value,
+                   help="the target's precision there (cloud-server --dtype)")
     add_placement_args(p)
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as one client process
     return p.parse_args(argv)
@@ -104,11 +110,11 @@ class Cell:
 
 
 @contextlib.contextmanager
-def server(kind: str, metrics_port: int, sessions: int,
-           cores: frozenset[int] | None) -> Iterator[str]:
-    with cloud_server("--quiet", "--device", "cpu", "--metrics-port", str(metrics_port),
+def server(kind: str, metrics_port: int, sessions: int, args: argparse.Namespace) -> Iterator[str]:
+    with cloud_server("--quiet", "--device", args.device, "--dtype", args.dtype,
+                      "--metrics-port", str(metrics_port),
                       "--max-sessions", str(max(sessions, 4)), *SERVERS[kind],
-                      cores=cores) as address:
+                      cores=parse_cores(args.server_cores)) as address:
         yield address
 
 
@@ -116,7 +122,7 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
              args: argparse.Namespace) -> tuple[Cell, list[dict]]:
     before = server_metrics(metrics_port)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start_at = time.time() + START_DELAY_S
+    start_at = time.time() + args.start_delay_s
     procs = [python_module(
         "benchmarks.capacity", ["--client", json.dumps({
             "address": address, "method": method, "prompts": mine,
@@ -156,7 +162,7 @@ def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
     cells, answers_of, differ = [], {}, 0
     for kind in SERVERS:
         port = free_port()
-        with server(kind, port, max(counts), parse_cores(args.server_cores)) as address:
+        with server(kind, port, max(counts), args) as address:
             for n in counts:
                 for method in methods:
                     prompts = [pool[i * args.per_client:(i + 1) * args.per_client]
@@ -238,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     cells, differ = run(args)
     report = RESULTS / f"{args.name}.md"
     report.write_text(
-        f"# {__doc__.splitlines()[0]}\n\n{machine()}; {placement(args)}. "
+        f"# {__doc__.splitlines()[0]}\n\n{machine()}; {placement(args)}; the target on "
+        f"{args.device} in {args.dtype}. "
         f"split:DRAFTER is split decoding with that edge drafter; {args.per_client} "
         f"generations of up to {args.max_new_tokens} tokens per client, greedy, over "
         f"loopback.\n\n"

@@ -22,7 +22,8 @@ def machine() -> str:
                 cpu = line.split(":", 1)[1].strip()
                 break
     import torch
-    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return (f"{cpu}, {os.cpu_count()} cores{gpu}, Python {platform.python_version()}, "
             f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 

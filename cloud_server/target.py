@@ -82,9 +82,11 @@ class TargetModel:
 
     @classmethod
     def load(cls, path: str, model_id: str, device: Device | str = Device.AUTO,
-             onednn: bool = True, precision: Precision | str = Precision.AUTO) -> "TargetModel":
+             onednn: bool = True, precision: Precision | str = Precision.FP32) -> "TargetModel":
         """`device` and `precision` may be given as text ("cpu", "bf16"); `onednn`: on the
-        CPU, run fp32 linear layers through oneDNN (cpu_kernels.py)."""
+        CPU, run fp32 linear layers through oneDNN (cpu_kernels.py). fp32 by default, as
+        `cloud-server --dtype`: only there is greedy output plain decoding's token for token
+        on a GPU too (README, `--dtype`)."""
         dev = pick_device(Device(device))
         dtype = pick_dtype(Precision(precision), dev)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from typing import Iterator
 
+from tests.device_under_test import DEVICE
+
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF
 
 
@@ -39,7 +41,7 @@ def server_process(port: int, *extra: str) -> subprocess.Popen:
     """A cloud-server process on `port`, returned once it listens; the caller stops it. For
     tests that kill and restart a server on the same port."""
     proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", str(port),
-                             "--device", "cpu", "--quiet", *extra], stdout=subprocess.PIPE,
+                             "--device", DEVICE, "--quiet", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
     assert ready and proc.stdout.readline().startswith("listening on "), "no server"
@@ -49,7 +51,7 @@ def server_process(port: int, *extra: str) -> subprocess.Popen:
 @contextlib.contextmanager
 def running_server(*extra: str) -> Iterator[str]:
     """A cloud-server on a free port; yields HOST:PORT."""
-    with first_line([sys.executable, "-m", "cloud_server.cli", "--port", "0", "--device", "cpu",
+    with first_line([sys.executable, "-m", "cloud_server.cli", "--port", "0", "--device", DEVICE,
                      *extra], "listening on ", STARTUP_TIMEOUT_S) as address:
         yield address
 

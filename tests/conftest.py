@@ -6,6 +6,7 @@ import pytest
 
 from shared.drafter_bundle import Precision
 
+from tests.device_under_test import DEVICE
 from tests.tiny_model import build_tiny_model
 
 
@@ -18,7 +19,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_target(tiny_model_dir: Path):
     from cloud_server.target import TargetModel
 
-    return TargetModel.load(str(tiny_model_dir), "tiny-llama", device="cpu")
+    return TargetModel.load(str(tiny_model_dir), "tiny-llama", device=DEVICE)
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,7 @@ from shared.drafting.base import DrafterName
 from shared.messages import Limits, OpenRequest
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
+from tests.device_under_test import DEVICE
 
 LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=600, max_new_tokens=64)
 
@@ -200,12 +201,23 @@ def test_a_half_precision_target_batches_and_speculates_like_its_plain_decoding(
     speculative sessions write what plain decoding in that precision writes."""
     from cloud_server.target import TargetModel
 
-    target = TargetModel.load(str(tiny_model_dir), "tiny-llama", "cpu", precision=precision)
+    target = TargetModel.load(str(tiny_model_dir), "tiny-llama", DEVICE, precision=precision)
     assert target.model.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=20) for p in prompts(3)]
     together, most = run_together(target, requests, DrafterName.PLD)
     assert most >= 2
     assert together == [alone(target, r, None) for r in requests]
+
+
+def test_a_target_loads_in_fp32_unless_asked_on_a_gpu_too():
+    """Only fp32 is token for token on a GPU (README, `--dtype`); the library's default once
+    picked bf16 there, and the equivalence tests run with SPLITDEC_TEST_DEVICE=cuda failed."""
+    import inspect
+
+    from cloud_server.device import Precision
+    from cloud_server.target import TargetModel
+
+    assert inspect.signature(TargetModel.load).parameters["precision"].default is Precision.FP32
 
 
 def test_sessions_whose_clients_answer_quickly_are_gathered_into_one_forward(tiny_target):

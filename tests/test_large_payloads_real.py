@@ -13,6 +13,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import ServerLink
 from edge_client.server_only import Mode
 from shared.messages import ActivationFormat, Limits, OpenRequest, Opened, Resume, Verdict
+from tests.device_under_test import DEVICE
 from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,7 @@ def served():
     from cloud_server.moa.weights import committed_drafter
     from cloud_server.target import TargetModel
 
-    target = TargetModel.load(*model_store.resolve("default"), "cpu")
+    target = TargetModel.load(*model_store.resolve("default"), DEVICE)
     drafter_dir = committed_drafter(target.model_id)
     if drafter_dir is None:
         pytest.skip(f"no MoA drafter committed for {target.model_id}")

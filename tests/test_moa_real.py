@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.device_under_test import DEVICE
 from tests.in_process import split_greedy
 from shared.messages import ChatMessage
 
@@ -18,7 +19,7 @@ def real_target():
     from cloud_server import model_store
     from cloud_server.target import TargetModel
 
-    return TargetModel.load(*model_store.resolve("default"), "cpu")
+    return TargetModel.load(*model_store.resolve("default"), DEVICE)
 
 
 @pytest.mark.parametrize("falcon", [False, True], ids=["moa", "falcon"])

@@ -10,6 +10,7 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import SilentListener
 from shared.messages import ChatMessage, OpenRequest
+from tests.device_under_test import DEVICE
 from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -21,7 +22,7 @@ def real_target():
     from cloud_server import model_store
     from cloud_server.target import TargetModel
 
-    return TargetModel.load(*model_store.resolve("default"), device="cpu")
+    return TargetModel.load(*model_store.resolve("default"), device=DEVICE)
 
 
 def sample_prompts() -> list[str]:

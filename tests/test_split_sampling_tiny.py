@@ -33,7 +33,8 @@ def race_reference(target, sampling: SamplingParams) -> list[int]:
     """Token-by-token decoding where each token is the race winner under the target's p."""
     ids, stops = list(PROMPT), set(target.stop_token_ids())
     while len(ids) - len(PROMPT) < MAX_NEW:
-        logits = target.model(input_ids=torch.tensor([ids])).logits[0, -1].numpy()
+        ids_on_device = torch.tensor([ids], device=target.device)
+        logits = target.model(input_ids=ids_on_device).logits[0, -1].float().cpu().numpy()
         ids.append(race_winner(warp(logits, sampling),
                                race_noise(sampling.seed, len(ids), target.vocab_size)))
         if ids[-1] in stops:

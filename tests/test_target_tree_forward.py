@@ -15,15 +15,16 @@ TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17),
 
 
 def causal_logits(target, ids: list[int]) -> torch.Tensor:
-    """logits: [len(ids), vocab] from a plain causal forward with no cache."""
+    """logits: [len(ids), vocab] from a plain causal forward with no cache, on the CPU."""
     with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids])).logits[0].float()
+        ids_on_device = torch.tensor([ids], device=target.device)
+        return target.model(input_ids=ids_on_device).logits[0].float().cpu()
 
 
 def test_tree_forward_matches_each_path(tiny_target):
     pending = 30
     cache, _ = tiny_target.prefill(PROMPT)
-    logits = tiny_target.forward_tree(cache, pending, TREE)  # [1 + n, vocab]
+    logits = tiny_target.forward_tree(cache, pending, TREE).cpu()  # [1 + n, vocab]
     base = PROMPT + [pending]
     torch.testing.assert_close(logits[0], causal_logits(tiny_target, base)[-1], atol=1e-4, rtol=0)
     for node in range(len(TREE)):
@@ -39,7 +40,7 @@ def test_compacted_cache_continues_like_plain_decoding(tiny_target):
     accepted = (1, 4, 7)  # 11 -> 14 -> 17
     keep_path(cache, len(PROMPT), accepted)
     assert cache.get_seq_length() == len(PROMPT) + 1 + len(accepted)
-    nxt = tiny_target.forward_tree(cache, 3, DraftTree.chain([8]))
+    nxt = tiny_target.forward_tree(cache, 3, DraftTree.chain([8])).cpu()
     committed = PROMPT + [pending] + [TREE.tokens[i] for i in accepted] + [3, 8]
     expected = causal_logits(tiny_target, committed)[-2:]
     torch.testing.assert_close(nxt, expected, atol=1e-4, rtol=0)
@@ -47,15 +48,15 @@ def test_compacted_cache_continues_like_plain_decoding(tiny_target):
 
 def test_prefill_returns_last_position_logits(tiny_target):
     _, last = tiny_target.prefill(PROMPT)
-    np.testing.assert_allclose(last.numpy(), causal_logits(tiny_target, PROMPT)[-1].numpy(),
+    np.testing.assert_allclose(last.cpu().numpy(), causal_logits(tiny_target, PROMPT)[-1].numpy(),
                                atol=1e-4)
 
 
 def causal_layer_outputs(target, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
     """[len(ids), L, width]: the chosen decoder layers' outputs of a plain causal forward."""
     with torch.inference_mode(), LayerOutputs(target.model, layers) as captured:
-        target.model(input_ids=torch.tensor([ids]))
-    return captured.stacked()[0]
+        target.model(input_ids=torch.tensor([ids], device=target.device))
+    return captured.stacked()[0].cpu()
 
 
 def test_tree_forward_captures_each_paths_layer_outputs(tiny_target):
@@ -65,7 +66,7 @@ def test_tree_forward_captures_each_paths_layer_outputs(tiny_target):
     cache, _ = tiny_target.prefill(PROMPT)
     with LayerOutputs(tiny_target.model, layers) as captured:
         tiny_target.forward_tree(cache, pending, TREE)
-    tree_outputs = captured.stacked()[0]  # [1 + n, L, width]
+    tree_outputs = captured.stacked()[0].cpu()  # [1 + n, L, width]
     base = PROMPT + [pending]
     torch.testing.assert_close(tree_outputs[0], causal_layer_outputs(tiny_target, base, layers)[-1],
                                atol=1e-4, rtol=0)

@@ -128,9 +128,10 @@ def main(argv: list[str]) -> int:
     if args.quiet:
         progress.set_quiet()
     from cloud_server import model_store
+    from cloud_server.device import Precision
+    from cloud_server.target import TargetModel
     from cloud_server.training import data, prompt_sources
     from cloud_server.training.moa import CHECKPOINT, Trainer, TrainSettings
-    from cloud_server.target import TargetModel
 
     if (args.out / CHECKPOINT).exists() and not args.resume:
         print(f"train-drafter: {args.out} holds a checkpoint: pass --resume or another --out",
@@ -140,7 +141,8 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     model_store.follow_progress_setting()
     path, model_id = model_store.resolve(args.model)
-    target = TargetModel.load(path, model_id, args.device)
+    # bf16 on a GPU (fp32 on the CPU): the answers a drafter learns from need not be exact
+    target = TargetModel.load(path, model_id, args.device, precision=Precision.AUTO)
     texts = prompt_sources.training_prompts(args.prompt_sources.split(","))
     if args.magpie:
         texts = list(prompt_sources.mixed(texts, self_written(target, args)))
