@@ -45,6 +45,7 @@ class GenerationResult:
     messages_up: int = 0  # on Decode streams: Opens, Drafts (acknowledgements too), Closes
     bytes_down: int = 0
     verify_s: float = 0.0  # the server's own time verifying, as its Verdicts report
+    prefill_s: float = 0.0  # the part of it that answered an Open: the prefill (and a resume's)
     finish_reason: FinishReason = FinishReason.NOT_FINISHED
     draft_s: float = 0.0  # drafting the edge waited for
     hidden_draft_s: float = 0.0  # drafting done while a round was in flight, and used
@@ -89,10 +90,12 @@ class GenerationResult:
         return self._round_trip_past(AUTO_LONGEST_WAIT)
 
     def _round_trip_past(self, forwards: float) -> bool:
-        """The round trip is longer than `forwards` of the server's mean forward (the prefill
-        counted as one, which lifts the mean: measured, `wifi`'s 25-28 ms round trips stayed
-        below a whole one, `4g`'s 100-125 ms above)."""
-        return self.rounds > 0 and self.rtt_s > forwards * self.verify_s / (self.rounds + 1)
+        """The round trip is longer than `forwards` of the server's mean forward after the
+        prefill: a prompt's prefill takes several forwards' time, and counted in the mean it
+        kept a `5g` link below auto's longest wait for the first dozen forwards."""
+        if self.rounds == 0:
+            return False
+        return self.rtt_s > forwards * (self.verify_s - self.prefill_s) / self.rounds
 
     @property
     def tokens_per_s(self) -> float:
@@ -224,6 +227,7 @@ class SplitGeneration:
         opened: Opened = await _expect(stream, Opened, timeout_s)
         verdict: Verdict = await _expect(stream, Verdict, timeout_s)
         server_s = (verdict.verify_ms + verdict.queue_ms) / 1000  # the prefill: no link time
+        self.result.prefill_s += verdict.verify_ms / 1000
         if self._outage is not None:
             self._link_back(opened, resuming)
         if resuming:

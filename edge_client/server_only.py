@@ -53,6 +53,7 @@ async def server_generate(link: ServerLink, request: OpenRequest, mode: Mode,
 def _take(result: GenerationResult, verdict: Verdict, start: float, listener: Listener) -> None:
     if not result.output_ids:
         result.ttft_s = time.perf_counter() - start
+        result.prefill_s = verdict.verify_ms / 1000
     else:
         result.rounds += 1  # forwards after the prefill
     result.accepted_tokens += len(verdict.accepted_nodes)

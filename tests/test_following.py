@@ -172,15 +172,24 @@ def test_a_link_that_got_faster_is_learned_afresh_at_once():
 @pytest.mark.parametrize("rtt_s, rounds, outpaced", [(0.1, 9, True), (0.01, 9, False),
                                                      (0.1, 0, False)])
 def test_a_link_is_outpaced_when_its_round_trip_passes_a_forward(rtt_s, rounds, outpaced):
-    result = GenerationResult(rounds=rounds, verify_s=0.05 * (rounds + 1), rtt_s=rtt_s)
+    result = GenerationResult(rounds=rounds, verify_s=0.2 + 0.05 * rounds, prefill_s=0.2,
+                              rtt_s=rtt_s)
     assert result.link_outpaced is outpaced
 
 
 @pytest.mark.parametrize("rtt_s, slow", [(0.04, True), (0.02, False)])
 def test_a_link_is_slow_when_no_wait_of_auto_pace_covers_its_round_trip(rtt_s, slow):
     """Auto pace waits for an answer at most half a forward: 25 ms of these 50 ms forwards."""
-    result = GenerationResult(rounds=9, verify_s=0.05 * 10, rtt_s=rtt_s)
+    result = GenerationResult(rounds=9, verify_s=0.2 + 0.05 * 9, prefill_s=0.2, rtt_s=rtt_s)
     assert result.link_slow is slow and not result.link_outpaced
+
+
+def test_a_long_prefill_does_not_lift_the_line_a_slow_link_is_drawn_at():
+    """Three 50 ms forwards after a 600 ms prefill: a 40 ms round trip is past half of one.
+    Counted as a forward, the prefill put the line at 94 ms, and a `5g` edge kept drafting
+    where auto pace could never wait for it."""
+    result = GenerationResult(rounds=3, verify_s=0.6 + 0.15, prefill_s=0.6, rtt_s=0.04)
+    assert result.link_slow
 
 
 def test_the_follower_rests_after_overtaken_drafts_and_not_after_wrong_ones():

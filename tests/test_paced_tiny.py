@@ -40,6 +40,8 @@ def test_paced_greedy_equals_plain(tiny_server, tiny_target, pace, drafter):
         # Every forward streams a Verdict; the client's accepted nodes are among its tokens.
         assert result.rounds + 1 <= len(result.output_ids) + 1
         assert result.accepted_tokens <= len(result.output_ids)
+        # the prefill's time is kept apart: the link's lines are drawn at the mean forward after it
+        assert 0 < result.prefill_s < result.verify_s
 
 
 def test_paced_with_the_servers_own_recycled_candidates_equals_plain(tiny_target):
