@@ -90,10 +90,13 @@ class Session:
         return self._cache
 
     @property
+    def most_positions(self) -> int:
+        """The most its KV cache can hold: prompt, every new token, and a tree."""
+        return len(self.prompt_ids) + self.max_new_tokens + self.limits.max_tree_nodes
+
+    @property
     def kv_bytes(self) -> int:
-        """The most KV cache this session can hold: prompt, every new token, and a tree."""
-        positions = len(self.prompt_ids) + self.max_new_tokens + self.limits.max_tree_nodes
-        return positions * self.target.kv_bytes_per_token
+        return self.most_positions * self.target.kv_bytes_per_token
 
     @property
     def generated(self) -> int:
@@ -184,7 +187,7 @@ class Session:
     def prefilling(self) -> Work[Verdict]:
         """Round 0: runs the prompt (and a resumed history) and commits the target's next token."""
         start = time.perf_counter()
-        self._cache = self.target.new_cache()
+        self._cache = self.target.new_cache(self.most_positions)
         logits, hidden = yield from self.target.prefill_jobs(self._cache, self.committed,
                                                              self._captured_layers())
         self._keep_rows(0, hidden)

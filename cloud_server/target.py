@@ -24,6 +24,7 @@ from transformers import (
 from cloud_server import ragged
 from cloud_server.cpu_kernels import use_onednn_linear
 from cloud_server.device import Device, Precision
+from cloud_server.kv_cache import reserved_cache
 from cloud_server.layer_outputs import LayerOutputs
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
@@ -136,8 +137,10 @@ class TargetModel:
             add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.model.config)
+    def new_cache(self, most_positions: int | None = None) -> DynamicCache:
+        """An empty cache that grows in place (kv_cache.py), to at most `most_positions` of
+        room when given."""
+        return reserved_cache(self.model.config, most_positions)
 
     def prefill_jobs(self, cache: DynamicCache, ids: Sequence[int], capture: tuple[int, ...] = ()
                      ) -> Work[tuple[torch.Tensor, torch.Tensor | None]]:
