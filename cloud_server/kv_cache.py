@@ -7,7 +7,7 @@ it once per session. ReservedLayer keeps each layer's keys and values in a buffe
 RESERVE more positions and writes the new ones into it; the cache it hands attention is a view
 of the buffer's first positions, so attention reads exactly the values it read before. The
 buffer grows (one copy) only when it is full, and never past the session's most positions
-(`Session.kv_bytes`, what admission counts) unless the cache does.
+(`Session.most_positions`, what admission counts) unless the cache does.
 
 Compaction after a tree (target.keep_path) and crops narrow the view in place, so the next
 append writes after them; anything else that swaps the tensors is seen, and the buffer is

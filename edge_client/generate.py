@@ -92,7 +92,7 @@ class GenerationResult:
     def _round_trip_past(self, forwards: float) -> bool:
         """The round trip is longer than `forwards` of the server's mean forward after the
         prefill: a prompt's prefill takes several forwards' time, and counted in the mean it
-        kept a `5g` link below auto's longest wait for the first dozen forwards."""
+        kept a `5g` link below auto's longest wait early in a generation."""
         if self.rounds == 0:
             return False
         return self.rtt_s > forwards * (self.verify_s - self.prefill_s) / self.rounds

@@ -93,7 +93,14 @@ def test_tensors_swapped_under_it_are_taken_as_they_are():
     assert_same(plain, reserved)
 
 
-def test_the_servers_caches_grow_in_place(tiny_target):
-    cache = tiny_target.new_cache(64)
-    assert cache.layers and all(type(layer) is ReservedLayer for layer in cache.layers)
+def test_a_sessions_cache_grows_in_place_within_what_admission_counted(tiny_target):
+    from cloud_server.session import Session
+    from shared.messages import Limits, OpenRequest
+
+    limits = Limits(max_tree_nodes=8, max_tree_depth=4, max_new_tokens=16)
+    session = Session(tiny_target, limits, OpenRequest(prompt_ids=(1, 5, 6, 7), max_new_tokens=16))
+    session.prefill()
+    layers = session._kv.layers
+    assert layers and all(type(layer) is ReservedLayer for layer in layers)
+    assert all(layer._buffers[0].shape[-2] <= session.most_positions for layer in layers)
     assert reserved_cache(tiny_target.model.config).layers[0].most_positions is None
