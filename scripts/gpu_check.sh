@@ -10,7 +10,7 @@
 #
 # Settings (environment), with their defaults: PYTHON (python3), CLIENTS (1,4,16), PER_CLIENT
 # (1), MAX_NEW_TOKENS (96), DTYPE (fp32), START_DELAY_S (8), TESTS_TIMEOUT_S (300),
-# CAPACITY_TIMEOUT_S (420). Logs go to LOG_DIR (benchmarks/results); the capacity table and
+# CAPACITY_TIMEOUT_S (420), CAPACITY (1; 0 runs the tests alone). Logs go to LOG_DIR (benchmarks/results); the capacity table and
 # plot to benchmarks/results/capacity_gpu.{md,png}.
 set -uo pipefail
 
@@ -25,8 +25,13 @@ SPLITDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$py" -m pytest -q \
     tests/test_target_tree_forward.py tests/test_batching.py tests/test_split_decoding_tiny.py \
     tests/test_paced_tiny.py tests/test_split_sampling_tiny.py tests/test_split_decoding_real.py \
     "tests/test_moa_real.py::test_committed_drafter_is_lossless_and_accepts[moa]" \
-    tests/test_large_payloads_real.py 2>&1 | tee "$logs/gpu_tests.log"
+    tests/test_large_payloads_real.py tests/test_kv_cache.py 2>&1 | tee "$logs/gpu_tests.log"
 tests=$?
+
+if [ "${CAPACITY:-1}" = 0 ]; then
+    echo "equivalence tests: exit $tests"
+    exit "$tests"
+fi
 
 # The server on two cores, each edge client process on the rest (laptops apart from the node).
 cores=$(nproc)

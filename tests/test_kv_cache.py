@@ -8,13 +8,15 @@ from transformers.cache_utils import DynamicLayer
 
 from cloud_server.kv_cache import RESERVE, ReservedLayer, reserved_cache
 from cloud_server.target import keep_path
+from tests.device_under_test import DEVICE
 
 HEADS, DIM = 3, 4
 
 
 def states(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, HEADS, n, DIM, generator=g), torch.randn(1, HEADS, n, DIM, generator=g))
+    keys, values = (torch.randn(1, HEADS, n, DIM, generator=g) for _ in range(2))
+    return keys.to(DEVICE), values.to(DEVICE)
 
 
 def both(layers: int = 2, most_positions: int | None = None) -> tuple[DynamicCache, DynamicCache]:
