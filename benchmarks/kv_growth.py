@@ -6,9 +6,9 @@ writes them into a buffer with room. For caches of 256 to 2,048 positions, three
 timed with each cache, interleaved: a decoding step (one token), a tree verification (16
 nodes, compacted to an accepted path of 3 after it, as the server does), and a ragged forward
 of 8 sessions' decoding steps. The logits of the two must be the same bits. Median of
-`--repeat` runs; ratio = in place / concatenated.
+`--repeat` runs; ratio = in place / concatenated. `--device cuda` times them on a GPU.
 
-    python -m benchmarks.kv_growth
+    python -m benchmarks.kv_growth [--device cuda --name kv_growth_gpu]
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.calibrate import bushy_tree
+from cloud_server.kv_cache import reserved_cache
 from cloud_server.target import TargetModel, keep_path
 from shared.tree import DraftTree
 
@@ -39,6 +40,7 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--positions", default="256,512,1024,2048")
     p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--device", default="cpu", help="where the target runs: cpu or cuda")
     p.add_argument("--name", default="kv_growth")
     return p.parse_args()
 
@@ -46,7 +48,7 @@ def parse_args() -> argparse.Namespace:
 def prefilled(target: TargetModel, length: int, seed: int) -> dict[str, DynamicCache]:
     """One prompt's cache of each kind, holding the same keys and values (prefilled once)."""
     ids = np.random.default_rng(seed).integers(100, target.vocab_size, length).tolist()
-    in_place = target.new_cache()
+    in_place = reserved_cache(target.model.config)
     target.drive(target.prefill_jobs(in_place, ids))
     concatenated = DynamicCache(config=target.model.config)
     for i, layer in enumerate(in_place.layers):
@@ -76,8 +78,11 @@ def forwards(target: TargetModel, caches: list[DynamicCache]) -> dict[str, Calla
 
 
 def timed(run: Callable[[], list]) -> tuple[float, list]:
+    """Seconds to the forward's end (on a GPU, its kernels' too) and what it returned."""
     start = time.perf_counter()
     out = run()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     return time.perf_counter() - start, out
 
 
@@ -104,7 +109,7 @@ def measure(target: TargetModel, length: int, repeat: int) -> dict[str, tuple[fl
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(1)
-    target = TargetModel.load(*model_store.resolve("default"), "cpu")
+    target = TargetModel.load(*model_store.resolve("default"), args.device)
     lengths = [int(n) for n in args.positions.split(",")]
     results = {}
     for length in lengths:
@@ -117,7 +122,7 @@ def main() -> int:
             for length in lengths for name, (a, b, same) in results[length].items()]
     report = RESULTS / f"{args.name}.md"
     report.write_text(
-        f"# {__doc__.splitlines()[0]}\n\n{machine()}, one compute thread; median of "
+        f"# {__doc__.splitlines()[0]}\n\n{machine()}, one compute thread, the target on {args.device}; median of "
         f"{args.repeat} interleaved runs.\n\n"
         + markdown_table(["cached positions", "forward", "concatenated ms", "in place ms",
                           "ratio", "same logits"], rows) + "\n")

@@ -12,6 +12,9 @@ buffer grows (one copy) only when it is full, and never past the session's most 
 Compaction after a tree (target.keep_path) and crops narrow the view in place, so the next
 append writes after them; anything else that swaps the tensors is seen, and the buffer is
 rebuilt from them.
+
+The server uses it on the CPU only (TargetModel.new_cache): on a GPU the forward is bound by
+the host, and there it cost 1-4% a forward (`benchmarks/results/kv_growth_gpu.md`).
 """
 from __future__ import annotations
 

@@ -138,8 +138,12 @@ class TargetModel:
         return self.tokenizer.encode(rendered, add_special_tokens=False)
 
     def new_cache(self, most_positions: int | None = None) -> DynamicCache:
-        """An empty cache that grows in place (kv_cache.py), to at most `most_positions` of
-        room when given."""
+        """An empty cache. On the CPU it grows in place (kv_cache.py), to at most
+        `most_positions` of room when given. On a GPU, transformers' concatenating cache: the
+        forward there is bound by the host, and in place cost 1-4% a forward on an H100
+        (`benchmarks/results/kv_growth_gpu.md`) where on the CPU it saved up to 25%."""
+        if self.device.type != "cpu":
+            return DynamicCache(config=self.model.config)
         return reserved_cache(self.model.config, most_positions)
 
     def prefill_jobs(self, cache: DynamicCache, ids: Sequence[int], capture: tuple[int, ...] = ()

@@ -95,7 +95,7 @@ def test_tensors_swapped_under_it_are_taken_as_they_are():
     assert_same(plain, reserved)
 
 
-def test_a_sessions_cache_grows_in_place_within_what_admission_counted(tiny_target):
+def test_a_sessions_cache_grows_in_place_on_the_cpu_within_what_admission_counted(tiny_target):
     from cloud_server.session import Session
     from shared.messages import Limits, OpenRequest
 
@@ -103,6 +103,9 @@ def test_a_sessions_cache_grows_in_place_within_what_admission_counted(tiny_targ
     session = Session(tiny_target, limits, OpenRequest(prompt_ids=(1, 5, 6, 7), max_new_tokens=16))
     session.prefill()
     layers = session._kv.layers
+    if tiny_target.device.type != "cpu":  # a host-bound forward there: transformers' own cache
+        assert layers and all(type(layer) is DynamicLayer for layer in layers)
+        return
     assert layers and all(type(layer) is ReservedLayer for layer in layers)
     assert all(layer._buffers[0].shape[-2] <= session.most_positions for layer in layers)
     assert reserved_cache(tiny_target.model.config).layers[0].most_positions is None
