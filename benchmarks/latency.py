@@ -10,7 +10,7 @@ of tokens the edge drafted, and for lockstep the link bound tau / (RTT + T_verif
 scripted outage on one profile: what it costs against the same generation without it. Writes a
 table, raw records and two PNGs. The link is a netsim proxy process on the clients' cores.
 
-    python -m benchmarks.latency --per-set 1 --max-new-tokens 64
+    python -m benchmarks.latency --per-set 1 --max-new-tokens 64 [--device cuda]
 """
 from __future__ import annotations
 
@@ -62,6 +62,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--outage-max-new-tokens", type=int, default=192,
                    help="the outage runs' answer length: long enough that the outage, 2 s in, "
                         "falls inside the answer (64 tokens took 1.9 s on `4g` here)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the server runs the target (cloud-server --device; fp32)")
     p.add_argument("--name", default="latency", help="output file stem")
     add_placement_args(p)
     args = p.parse_args()
@@ -263,8 +265,8 @@ def render(rows: list[dict]) -> str:
     return markdown_table(("link", "RTT ms", "method", "tok/s", "vs plain API",
                            "vs server-spec per prompt (95% CI)", "TTFT ms",
                            "ITL p50 ms", "ITL p95 ms", "calls/token", "target fwd/token",
-                           "bytes/token", "edge drafting ms/token", "client-drafted", "lockstep link bound tok/s "
-                           "(reached)", "same text"), body)
+                           "bytes/token", "edge drafting ms/token", "client-drafted",
+                           "lockstep link bound tok/s (reached)", "same text"), body)
 
 
 def _interval(ratio: tuple[float, float, float] | None) -> str:
@@ -280,7 +282,7 @@ def render_outages(rows: list[dict], profile: str, tokens: int) -> str:
          "offline tokens", "corrected", "same text"), body))
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, device: str = "cpu") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -306,7 +308,7 @@ def plot(rows: list[dict], path) -> None:
     work.tick_params(axis="x", labelrotation=20)
     work.set_ylabel("target forward passes per generated token")
     work.set_title("Server work per token")
-    fig.suptitle("SmolLM2-135M-Instruct, CPU server on loopback behind netsim")
+    fig.suptitle(f"SmolLM2-135M-Instruct, {device.upper()} server on loopback behind netsim")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -315,7 +317,7 @@ def main() -> None:
     args = parse_args()
     log(machine())
     items = [row for name in prompts.SETS for row in prompts.load(name, args.per_set)]
-    with cloud_server("--device", "cpu", "--drafter-dir", args.drafter_dir,
+    with cloud_server("--device", args.device, "--drafter-dir", args.drafter_dir,
                       cores=parse_cores(args.server_cores)) as address:
         if client_cores := parse_cores(args.client_cores):
             os.sched_setaffinity(0, client_cores)  # this process: the clients and the links
@@ -327,16 +329,18 @@ def main() -> None:
     rows = summarize(records)
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
               f"new tokens max, split drafter {args.drafter}, server-spec drafter "
-              f"{SERVER_DRAFTER}; {machine()}; {placement(args)}\n\n")
+              f"{SERVER_DRAFTER}; the target on {args.device}; {machine()}; "
+              f"{placement(args)}\n\n")
     text = header + render(rows) + "\n"
     if outages:
-        text += "\n" + render_outages(outages, args.outage_profile, args.outage_max_new_tokens) + "\n"
+        text += ("\n" + render_outages(outages, args.outage_profile, args.outage_max_new_tokens)
+                 + "\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)
     (RESULTS / f"{args.name}.jsonl").write_text(
         "".join(json.dumps(r) + "\n" for r in records + outages))
-    plot(rows, RESULTS / f"{args.name}.png")
+    plot(rows, RESULTS / f"{args.name}.png", args.device)
 
 
 if __name__ == "__main__":
