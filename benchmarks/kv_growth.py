@@ -40,7 +40,8 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--positions", default="256,512,1024,2048")
     p.add_argument("--repeat", type=int, default=15)
-    p.add_argument("--device", default="cpu", help="where the target runs: cpu or cuda")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the target runs (fp32)")
     p.add_argument("--name", default="kv_growth")
     return p.parse_args()
 
@@ -81,7 +82,7 @@ def timed(run: Callable[[], list]) -> tuple[float, list]:
     """Seconds to the forward's end (on a GPU, its kernels' too) and what it returned."""
     start = time.perf_counter()
     out = run()
-    if torch.cuda.is_available():
+    if torch.cuda.is_initialized():
         torch.cuda.synchronize()
     return time.perf_counter() - start, out
 
@@ -122,8 +123,8 @@ def main() -> int:
             for length in lengths for name, (a, b, same) in results[length].items()]
     report = RESULTS / f"{args.name}.md"
     report.write_text(
-        f"# {__doc__.splitlines()[0]}\n\n{machine()}, one compute thread, the target on {args.device}; median of "
-        f"{args.repeat} interleaved runs.\n\n"
+        f"# {__doc__.splitlines()[0]}\n\n{machine()}, one compute thread, the target on "
+        f"{args.device}; median of {args.repeat} interleaved runs.\n\n"
         + markdown_table(["cached positions", "forward", "concatenated ms", "in place ms",
                           "ratio", "same logits"], rows) + "\n")
     grouped_bars(RESULTS / f"{args.name}.png", [str(n) for n in lengths],

@@ -96,6 +96,7 @@ class Session:
 
     @property
     def kv_bytes(self) -> int:
+        """The most KV cache this session can hold, in bytes: what admission counts."""
         return self.most_positions * self.target.kv_bytes_per_token
 
     @property

@@ -10,8 +10,8 @@
 #
 # Settings (environment), with their defaults: PYTHON (python3), CLIENTS (1,4,16), PER_CLIENT
 # (1), MAX_NEW_TOKENS (96), DTYPE (fp32), START_DELAY_S (8), TESTS_TIMEOUT_S (300),
-# CAPACITY_TIMEOUT_S (420), CAPACITY (1; 0 runs the tests alone). Logs go to LOG_DIR (benchmarks/results); the capacity table and
-# plot to benchmarks/results/capacity_gpu.{md,png}.
+# CAPACITY_TIMEOUT_S (420), CAPACITY (1; 0 runs the tests alone). Logs go to LOG_DIR
+# (benchmarks/results); the capacity table and plot to benchmarks/results/capacity_gpu.{md,png}.
 set -uo pipefail
 
 logs=${1:-benchmarks/results}
