@@ -6,7 +6,8 @@ prompt in turn through: (a) a plain streaming API (the server decodes token by t
 pace (lockstep, server, auto), each method through a client of its own and the order rotated
 prompt by prompt. Reports tokens/s, time to first token, p50/p95 inter-token
 latency, server calls and target forwards per generated token, wire bytes per token, the share
-of tokens the edge drafted, and for lockstep the link bound tau / (RTT + T_verify). Then a
+of tokens the edge drafted, what became of a paced method's drafts (used by a forward, too
+late, wrong from their first token), and for lockstep the link bound tau / (RTT + T_verify). Then a
 scripted outage on one profile: what it costs against the same generation without it. Writes a
 table, raw records and two PNGs. The link is a netsim proxy process on the clients' cores.
 
@@ -104,7 +105,8 @@ def record(r: GenerationResult, arrivals: Arrivals) -> dict:
             "hidden_draft_ms": 1000 * r.hidden_draft_s, "draft_ms": 1000 * r.draft_s,
             "speculations": r.speculations, "speculation_hits": r.speculation_hits,
             "reconnects": r.reconnects, "outage_s": r.outage_s,
-            "offline_tokens": r.offline_tokens, "corrected_tokens": r.corrected_tokens}
+            "offline_tokens": r.offline_tokens, "corrected_tokens": r.corrected_tokens,
+            "drafts": vars(r.drafts)}
 
 
 async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> dict:
@@ -192,7 +194,9 @@ def summarize(records: list[dict]) -> list[dict]:
                    "link_bound": None, "identical": _identical(records, profile, method),
                    "vs_server_spec": paired_ratio(records, profile, method, "server-spec"),
                    "client_share": (sum(r["accepted_tokens"] for r in group) / tokens
-                                    if method in SPLIT_PACES else None)}
+                                    if method in SPLIT_PACES else None),
+                   "drafts": {k: sum(r["drafts"][k] for r in group if "drafts" in r)
+                              for k in ("used", "late", "wrong")}}
             if method == "split-lockstep":
                 rounds = sum(r["rounds"] for r in group)
                 tau = (tokens - len(group)) / rounds
@@ -259,6 +263,7 @@ def render(rows: list[dict]) -> str:
              fmt(r["calls_per_token"], ".3f"), fmt(r["forwards_per_token"], ".2f"),
              fmt(r["bytes_per_token"], ".0f"), fmt(r["draft_ms_per_token"], ".1f"),
              "-" if r["client_share"] is None else f"{r['client_share']:.0%}",
+             _outcomes(r["drafts"]),
              fmt(r["link_bound"], ".1f") if r["link_bound"] is None
              else f"{r['link_bound']:.1f} ({r['tokens_per_s'] / r['link_bound']:.0%})",
              r["identical"]) for r in rows]
@@ -266,7 +271,17 @@ def render(rows: list[dict]) -> str:
                            "vs server-spec per prompt (95% CI)", "TTFT ms",
                            "ITL p50 ms", "ITL p95 ms", "calls/token", "target fwd/token",
                            "bytes/token", "edge drafting ms/token", "client-drafted",
+                           "paced drafts used / late / wrong",
                            "lockstep link bound tok/s (reached)", "same text"), body)
+
+
+def _outcomes(drafts: dict[str, int]) -> str:
+    """Shares of a paced method's settled drafts (following.py, DraftOutcomes)."""
+    settled = sum(drafts.values())
+    if not settled:
+        return "-"
+    shares = " / ".join(f"{drafts[k] / settled:.0%}" for k in ("used", "late", "wrong"))
+    return f"{shares} of {settled}"
 
 
 def _interval(ratio: tuple[float, float, float] | None) -> str:

@@ -198,6 +198,9 @@ def stats_line(r: GenerationResult, drafter: str) -> str:
     line = (f"[{drafter}: {len(r.output_ids)} tokens, {r.tokens_per_s:.1f} tok/s, "
             f"{r.rounds} rounds, tau {r.tau:.2f}, {r.server_calls} server calls, "
             f"{r.bytes_up} B up / {r.bytes_down} B down, ttft {r.ttft_s * 1000:.0f} ms")
+    if r.drafts.settled:
+        d = r.drafts
+        line += f", drafts {d.used} used ({d.earned} earned), {d.late} late, {d.wrong} wrong"
     if r.speculations:
         line += (f", pipelined {r.speculation_hits}/{r.speculations} rounds "
                  f"({1000 * r.hidden_draft_s:.0f} ms drafting hidden)")

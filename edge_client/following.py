@@ -14,7 +14,7 @@ expects and hangs it below them (`drafted_ahead`).
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from edge_client.offline import draft_offline
@@ -197,13 +197,35 @@ class DraftSpacing:
         return True
 
 
-class DraftFollower:
-    """Draft ids and the live draft of one Decode stream (ids start again on a new stream), and
-    whether the drafts it sent earned anything (`spacing`)."""
+@dataclass
+class DraftOutcomes:
+    """What became of the drafts a paced generation sent, as the edge learns it: verified by a
+    forward (`used`; `earned` of them got a node accepted), passed by the server before any
+    forward could use them though its text followed them as far as it went (`late`: on time,
+    each would have offered right tokens), or left by the text at their first token (`wrong`).
+    A draft still live when the generation ends or its stream breaks is none of these. On a
+    slow link `late` is what the round trip costs; `wrong` is the drafter's."""
 
-    def __init__(self, lag: Lag, spacing: DraftSpacing | None = None) -> None:
+    used: int = 0
+    earned: int = 0
+    late: int = 0
+    wrong: int = 0
+
+    @property
+    def settled(self) -> int:
+        return self.used + self.late + self.wrong
+
+
+class DraftFollower:
+    """Draft ids and the live draft of one Decode stream (ids start again on a new stream),
+    whether the drafts it sent earned anything (`spacing`), and what became of each
+    (`outcomes`, kept across the generation's streams)."""
+
+    def __init__(self, lag: Lag, spacing: DraftSpacing | None = None,
+                 outcomes: DraftOutcomes | None = None) -> None:
         self.lag = lag
         self.spacing = spacing or DraftSpacing()
+        self.outcomes = outcomes or DraftOutcomes()
         self._next_id = 1
         self._live: DraftRequest | None = None
         self._last_sent: DraftRequest | None = None
@@ -248,8 +270,10 @@ class DraftFollower:
         if path and not live.tree.children(path[-1]):  # right down to a leaf, and overtaken
             self.lag.observe(len(since))
         if path:  # right as far as `path`, but no forward used it before the server got past
+            self.outcomes.late += 1
             self.spacing.overtaken(link_slow)
         else:
+            self.outcomes.wrong += 1
             self.spacing.missed()
         self._live = None
         return True
@@ -262,6 +286,8 @@ class DraftFollower:
         if live is None or verdict.draft_id != live.round_id:
             return None
         self._live = None
+        self.outcomes.used += 1
+        self.outcomes.earned += bool(verdict.accepted_nodes)
         if verdict.accepted_nodes and verdict.draft_redundant:
             self.spacing.redundant()
         elif verdict.accepted_nodes:

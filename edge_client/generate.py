@@ -16,7 +16,9 @@ from typing import Protocol, Sequence
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.following import DraftFollower, DraftSpacing, Lag, drafted_ahead
+from edge_client.following import (
+    DraftFollower, DraftOutcomes, DraftSpacing, Lag, drafted_ahead,
+)
 from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.pipeline import Speculation
 from shared.acceptance import AcceptanceMode
@@ -62,6 +64,7 @@ class GenerationResult:
     # Split decoding: the pace the session ran, as Opened said (the server resolves the one
     # asked: auto is server pace for a drafter that reads no activations, PacingPolicy.resolve)
     pace: Pace | None = None
+    drafts: DraftOutcomes = field(default_factory=DraftOutcomes)  # paced sessions only
 
     @property
     def tau(self) -> float:
@@ -292,7 +295,7 @@ class SplitGeneration:
         """A server-paced session: the server runs forward after forward; the edge answers
         every Verdict with a draft from the new committed position, or only acknowledges it
         while its last draft still continues the text (the server re-roots it)."""
-        follower = DraftFollower(self.lag, self.spacing)
+        follower = DraftFollower(self.lag, self.spacing, self.result.drafts)
         await self._answer(stream, follower, awaited=True)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))

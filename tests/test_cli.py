@@ -142,7 +142,8 @@ def test_ask_and_batch_against_real_server(tmp_path):
         assert baseline[key]["output_ids"] == records[key]["output_ids"]
     for key in "abc":
         for field in ("output_ids", "text", "rounds", "drafted_tokens", "accepted_tokens", "tau",
-                      "wall_s", "ttft_s", "bytes_up", "bytes_down"):
+                      "wall_s", "ttft_s", "bytes_up", "bytes_down", "drafts_used",
+                      "drafts_earned", "drafts_late", "drafts_wrong"):
             assert field in records[key], (key, field)
         assert 1 <= len(records[key]["output_ids"]) <= 8
     assert "outside" in records["d"]["error"]
@@ -220,3 +221,14 @@ def test_opt_in_drafting_flags_reach_the_client_options(flag, option):
 
     assert getattr(options_from(parse_args(["--server", "x:1", flag, "hi"])), option)
     assert not getattr(options_from(parse_args(["--server", "x:1", "hi"])), option)
+
+
+def test_the_stats_line_says_what_became_of_a_paced_sessions_drafts():
+    from edge_client.cli import stats_line
+    from edge_client.following import DraftOutcomes
+    from edge_client.generate import GenerationResult
+
+    paced = GenerationResult(output_ids=[1, 2, 3], rounds=2,
+                             drafts=DraftOutcomes(used=3, earned=2, late=4, wrong=1))
+    assert "drafts 3 used (2 earned), 4 late, 1 wrong" in stats_line(paced, "moa")
+    assert "drafts" not in stats_line(GenerationResult(output_ids=[1], rounds=1), "pld")

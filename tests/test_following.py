@@ -6,7 +6,7 @@ import pytest
 
 from edge_client.following import (
     ACKS_PER_LEAD, CARRY_GENERATIONS, FASTER_LINK, FIRST_REST, MAX_CARRY, MAX_REST, PATIENCE,
-    DraftFollower, DraftSpacing, Lag, drafted_ahead,
+    DraftFollower, DraftOutcomes, DraftSpacing, Lag, drafted_ahead,
 )
 from edge_client.generate import GenerationResult
 from shared.drafting.pld import PromptLookupDrafter
@@ -210,6 +210,25 @@ def test_the_follower_rests_after_overtaken_drafts_and_not_after_wrong_ones():
     draft = sent(follower, 2, DraftTree.chain([3, 4]))
     follower.verified(Verdict(1, (0,), (3, 4), 4, draft_id=draft.round_id), [1, 2])
     assert not follower.spacing.resting
+
+
+def test_the_follower_counts_what_became_of_each_draft():
+    """Used (earned or not), late (right as far as the text went, passed before a forward
+    used it) or wrong (left at its first token); a draft still live is none of these."""
+    outcomes = DraftOutcomes()
+    follower = DraftFollower(Lag(), outcomes=outcomes)
+    draft = sent(follower, 2, DraftTree.chain([3, 4]))
+    follower.verified(Verdict(1, (0,), (3, 5), 4, draft_id=draft.round_id), [1, 2])
+    draft = sent(follower, 4, DraftTree.chain([6, 7]))
+    follower.verified(Verdict(1, (), (8,), 5, draft_id=draft.round_id), [1, 2, 3, 5])
+    sent(follower, 5, DraftTree.chain([9, 10]))
+    follower.due([1, 2, 3, 5, 8, 9, 11], link_slow=True)  # late: right at 9, past it by 11
+    sent(follower, 7, DraftTree.chain([12]))
+    follower.due([1, 2, 3, 5, 8, 9, 11, 13], link_slow=True)  # wrong from its first token
+    sent(follower, 8, DraftTree.chain([14]))
+    assert not follower.due([1, 2, 3, 5, 8, 9, 11, 13], link_slow=True)  # live: not settled
+    assert outcomes == DraftOutcomes(used=2, earned=1, late=1, wrong=1)
+    assert outcomes.settled == 4
 
 
 @pytest.mark.parametrize("reads_rows", [True, False])

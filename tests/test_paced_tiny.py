@@ -67,11 +67,18 @@ def test_client_drafts_join_the_forwards(tiny_target):
         results = paced_outputs(server.address, "pld", Pace.AUTO)
     generated = sum(len(r.output_ids) for r in results)
     assert sum(r.accepted_tokens for r in results) > generated // 4
+    # What became of the drafts adds up: a draft whose nodes were accepted was used, and
+    # a draft used earns at most what was accepted of it.
+    for r in results:
+        assert r.drafts.settled and r.drafts.earned <= r.drafts.used
+        assert r.drafts.earned <= r.accepted_tokens and bool(r.drafts.earned) == bool(
+            r.accepted_tokens)
 
 
 def test_lockstep_is_the_rounds_of_old(tiny_server):
     for r in paced_outputs(tiny_server.address, "pld", Pace.LOCKSTEP, tree_nodes=16):
         assert r.rounds + r.accepted_tokens <= len(r.output_ids) <= 1 + r.rounds + r.accepted_tokens
+        assert not r.drafts.settled  # a paced session's counts: every lock-step draft is used
 
 
 @pytest.mark.parametrize("ahead", [None, 3])
