@@ -34,5 +34,7 @@ def test_openai_client_gets_the_cli_answer():
     assert model == "SmolLM2-135M-Instruct"
     assert whole.choices[0].message.content == streamed == answer
     assert whole.usage.completion_tokens == 24 and whole.choices[0].finish_reason == "length"
-    assert whole.model_extra["split_decoding"]["tau"] > 1
+    stats = whole.model_extra["split_decoding"]
+    assert stats["tau"] > 1 and stats["pace"] == "server"
+    assert set(stats["drafts"]) == {"used", "earned", "late", "wrong"}
     assert all(s.usage.completion_tokens == 8 for s in sampled)

@@ -81,7 +81,8 @@ def split_stats(request: ApiRequest, result: GenerationResult) -> dict[str, Any]
             "ttft_s": round(result.ttft_s, 4), "offline_tokens": result.offline_tokens,
             "corrected_tokens": result.corrected_tokens, "reconnects": result.reconnects,
             "unverified_tokens": len(result.unverified_ids),
-            "unverified_included": bool(result.unverified_ids) and request.allow_unverified}
+            "unverified_included": bool(result.unverified_ids) and request.allow_unverified,
+            "drafts": vars(result.drafts)}
 
 
 def error_body(err: ApiError) -> dict[str, Any]:
