@@ -302,7 +302,7 @@ def plot(rows: list[dict], path, device: str = "cpu") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (speed, work) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (speed, work, fate) = plt.subplots(1, 3, figsize=(17, 4.5))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     for method in methods:
         mine = [r for r in rows if r["method"] == method]
@@ -323,9 +323,32 @@ def plot(rows: list[dict], path, device: str = "cpu") -> None:
     work.tick_params(axis="x", labelrotation=20)
     work.set_ylabel("target forward passes per generated token")
     work.set_title("Server work per token")
+    plot_outcomes(fate, rows)
     fig.suptitle(f"SmolLM2-135M-Instruct, {device.upper()} server on loopback behind netsim")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_outcomes(ax, rows: list[dict]) -> None:
+    """Stacked shares of the last paced method's drafts per link: used, late, wrong."""
+    paced = [m for m in dict.fromkeys(r["method"] for r in rows)
+             if m in SPLIT_PACES and m != "split-lockstep"]
+    mine = [r for r in rows if paced and r["method"] == paced[-1] and sum(r["drafts"].values())]
+    if not mine:
+        ax.set_axis_off()
+        return
+    links = [r["profile"] for r in mine]
+    bottom = np.zeros(len(mine))
+    for outcome, color in (("used", "C2"), ("late", "C1"), ("wrong", "C3")):
+        share = np.array([r["drafts"][outcome] / sum(r["drafts"].values()) for r in mine])
+        ax.bar(links, share, bottom=bottom, color=color, label=outcome)
+        bottom += share
+    for x, r in enumerate(mine):
+        ax.text(x, 1.01, str(sum(r["drafts"].values())), ha="center", fontsize=8)
+    ax.set_ylim(0, 1.08)
+    ax.set_ylabel("share of settled drafts (count above)")
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title(f"What became of {paced[-1]}'s drafts")
 
 
 def main() -> None:
