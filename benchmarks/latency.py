@@ -7,9 +7,9 @@ pace (lockstep, server, auto), each method through a client of its own and the o
 prompt by prompt. Reports tokens/s, time to first token, p50/p95 inter-token
 latency, server calls and target forwards per generated token, wire bytes per token, the share
 of tokens the edge drafted, what became of a paced method's drafts (used by a forward, too
-late, wrong from their first token), and for lockstep the link bound tau / (RTT + T_verify). Then a
-scripted outage on one profile: what it costs against the same generation without it. Writes a
-table, raw records and two PNGs. The link is a netsim proxy process on the clients' cores.
+late, wrong from their first token), and for lockstep the link bound tau / (RTT + T_verify).
+Then a scripted outage on one profile: what it costs against the same generation without it.
+Writes a table, raw records and a PNG. The link is a netsim proxy process on the clients' cores.
 
     python -m benchmarks.latency --per-set 1 --max-new-tokens 64 [--device cuda]
 """
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import AsyncIterator
 
 import numpy as np
@@ -106,7 +106,7 @@ def record(r: GenerationResult, arrivals: Arrivals) -> dict:
             "speculations": r.speculations, "speculation_hits": r.speculation_hits,
             "reconnects": r.reconnects, "outage_s": r.outage_s,
             "offline_tokens": r.offline_tokens, "corrected_tokens": r.corrected_tokens,
-            "drafts": vars(r.drafts)}
+            "drafts": asdict(r.drafts)}
 
 
 async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> dict:

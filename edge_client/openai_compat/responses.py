@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from edge_client.generate import GenerationResult
@@ -82,7 +82,7 @@ def split_stats(request: ApiRequest, result: GenerationResult) -> dict[str, Any]
             "corrected_tokens": result.corrected_tokens, "reconnects": result.reconnects,
             "unverified_tokens": len(result.unverified_ids),
             "unverified_included": bool(result.unverified_ids) and request.allow_unverified,
-            "drafts": vars(result.drafts)}
+            "drafts": asdict(result.drafts)}
 
 
 def error_body(err: ApiError) -> dict[str, Any]:
