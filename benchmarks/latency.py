@@ -42,6 +42,8 @@ SPLIT_PACES: dict[str, tuple[Pace, int | None]] = {
     "split-lockstep": (Pace.LOCKSTEP, 0), "split-server": (Pace.SERVER, 0),
     "split-auto": (Pace.AUTO, 0), "split-server-ahead": (Pace.SERVER, None),
     "split-auto-ahead": (Pace.AUTO, None)}
+# what became of a paced method's drafts, as the table and the plot show them (DraftOutcomes)
+OUTCOMES = ("used", "late", "wrong")
 METHODS = ("plain-api", "server-spec", "split-lockstep", "split-server", "split-auto")
 
 
@@ -196,7 +198,7 @@ def summarize(records: list[dict]) -> list[dict]:
                    "client_share": (sum(r["accepted_tokens"] for r in group) / tokens
                                     if method in SPLIT_PACES else None),
                    "drafts": {k: sum(r["drafts"][k] for r in group if "drafts" in r)
-                              for k in ("used", "late", "wrong")}}
+                              for k in OUTCOMES}}
             if method == "split-lockstep":
                 rounds = sum(r["rounds"] for r in group)
                 tau = (tokens - len(group)) / rounds
@@ -280,7 +282,7 @@ def _outcomes(drafts: dict[str, int]) -> str:
     settled = sum(drafts.values())
     if not settled:
         return "-"
-    shares = " / ".join(f"{drafts[k] / settled:.0%}" for k in ("used", "late", "wrong"))
+    shares = " / ".join(f"{drafts[k] / settled:.0%}" for k in OUTCOMES)
     return f"{shares} of {settled}"
 
 
@@ -338,13 +340,14 @@ def plot_outcomes(ax, rows: list[dict]) -> None:
         ax.set_axis_off()
         return
     links = [r["profile"] for r in mine]
+    settled = np.array([sum(r["drafts"].values()) for r in mine])
     bottom = np.zeros(len(mine))
-    for outcome, color in (("used", "C2"), ("late", "C1"), ("wrong", "C3")):
-        share = np.array([r["drafts"][outcome] / sum(r["drafts"].values()) for r in mine])
+    for outcome, color in zip(OUTCOMES, ("C2", "C1", "C3")):
+        share = np.array([r["drafts"][outcome] for r in mine]) / settled
         ax.bar(links, share, bottom=bottom, color=color, label=outcome)
         bottom += share
-    for x, r in enumerate(mine):
-        ax.text(x, 1.01, str(sum(r["drafts"].values())), ha="center", fontsize=8)
+    for x, count in enumerate(settled):
+        ax.text(x, 1.01, str(count), ha="center", fontsize=8)
     ax.set_ylim(0, 1.08)
     ax.set_ylabel("share of settled drafts (count above)")
     ax.legend(fontsize=8, loc="lower left")

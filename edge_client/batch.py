@@ -7,6 +7,7 @@ outside scripts read them.
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -74,7 +75,7 @@ def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str
         "outage_s": round(result.outage_s, 3),
         "hidden_draft_s": round(result.hidden_draft_s, 4),
         # paced sessions: what became of the drafts (following.py, DraftOutcomes)
-        **{f"drafts_{name}": value for name, value in vars(result.drafts).items()},
+        **{f"drafts_{name}": value for name, value in asdict(result.drafts).items()},
     }
 
 
