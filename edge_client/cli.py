@@ -39,6 +39,10 @@ from netsim import CONDITIONS_HELP, NetworkConditions, ProxyThread, parse_condit
 from shared.sampling import SamplingParams
 
 EXIT_USAGE, EXIT_LINK = 2, 3
+# What the edge's drafting reads: --mode split only (the baselines draft on the server or not
+# at all); --server-drafter is read by --mode server-spec only.
+SPLIT_ONLY = ("drafter", "activations", "tree_nodes", "pace", "lead", "draft_ahead",
+              "draft_graphs", "race_aware", "no_pipeline")
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -265,6 +269,20 @@ def auth_token(args: argparse.Namespace) -> str | None:
     return os.environ.get(TOKEN_VARIABLE, "").strip() or None
 
 
+def unread_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given a value other than their default that `--mode` does not read, so a user
+    comparing modes is told, not left to believe, that e.g. `--drafter moa` shaped a
+    server-spec run."""
+    mode = Mode(args.mode)
+    unread: tuple[str, ...] = () if mode is Mode.SPLIT else SPLIT_ONLY
+    if mode is not Mode.SERVER_SPEC:
+        unread += ("server_drafter",)
+    defaults = argparse.ArgumentParser()
+    add_common(defaults)
+    return ["--" + dest.replace("_", "-") for dest in unread
+            if getattr(args, dest) != defaults.get_default(dest)]
+
+
 def options_from(args: argparse.Namespace) -> ClientOptions:
     try:
         sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -292,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as err:
         print(f"edge-client: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    if unread := unread_flags(args):
+        print(f"edge-client: note: --mode {args.mode} does not read {', '.join(unread)}",
+              file=sys.stderr)
     command = {"ask": ask, "run": batch, "serve": serve}[args.command]
     try:
         with server_path(args) as address:

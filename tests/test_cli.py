@@ -105,7 +105,7 @@ def test_ask_and_batch_against_real_server(tmp_path):
         assert moa.stdout == proc.stdout
         assert any((tmp_path / "edge-cache" / "drafters").iterdir())
         # The baselines and every pace through the same simulated link: the same text.
-        for flags in (["--mode", "plain-api"], ["--mode", "server-spec"],
+        for flags in (["--mode", "plain-api"], ["--mode", "server-spec", "--drafter", "pld"],
                       ["--mode", "server-spec", "--server-drafter", "recycle"],
                       ["--pace", "lockstep"], ["--pace", "server", "--drafter", "pld"]):
             other = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
@@ -115,6 +115,8 @@ def test_ask_and_batch_against_real_server(tmp_path):
                                    env={**os.environ, "SPLITDEC_CACHE": str(tmp_path / "edge")})
             assert other.returncode == 0, (flags, other.stderr)
             assert other.stdout == proc.stdout, flags
+            note = "edge-client: note: --mode server-spec does not read --drafter"
+            assert (note in other.stderr) == (flags[:3] == ["--mode", "server-spec", "--drafter"])
         assert "[plain-api:" not in other.stderr and "[pld:" in other.stderr
 
         prompts = tmp_path / "in.jsonl"
@@ -221,6 +223,22 @@ def test_opt_in_drafting_flags_reach_the_client_options(flag, option):
 
     assert getattr(options_from(parse_args(["--server", "x:1", flag, "hi"])), option)
     assert not getattr(options_from(parse_args(["--server", "x:1", "hi"])), option)
+
+
+@pytest.mark.parametrize("argv, unread", [
+    (["--mode", "server-spec", "--drafter", "moa", "--pace", "server"], ["--drafter", "--pace"]),
+    (["--mode", "plain-api", "--server-drafter", "pld", "--tree-nodes", "8"],
+     ["--tree-nodes", "--server-drafter"]),
+    (["--server-drafter", "pld"], ["--server-drafter"]),
+    (["--mode", "server-spec", "--server-drafter", "pld"], []),
+    (["--drafter", "moa", "--pace", "server", "--draft-graphs"], []),
+])
+def test_flags_the_mode_does_not_read_are_named(argv, unread):
+    from edge_client.cli import parse_args, unread_flags
+
+    assert unread_flags(parse_args(["--server", "x:1", *argv, "hi"])) == unread
+    assert unread_flags(parse_args(["run", "--server", "x:1", "--prompts", "a", "--out", "b",
+                                    *argv])) == unread
 
 
 def test_the_stats_line_says_what_became_of_a_paced_sessions_drafts():
