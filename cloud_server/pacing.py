@@ -115,10 +115,26 @@ class Inbox:
         self._changed.set()
 
 
+# Outbox.send: the longest a paced forward waits for the stream to take the previous Verdict.
+# Serialized and handed to gRPC, its write completed, before the next forward starts, as a
+# server-only generation's is: neither the serializing nor the completion (gRPC's poller thread
+# and then the event loop waking) takes the interpreter lock and the core from the forward.
+# Measured with the server on one core and `pld` on the edge (no rows), 12 prompts a link:
+# with one turn of the loop before the forward instead (the write serialized, then completed
+# during the forward), the server's time per forward ran 1.0-1.1% above server-spec's on `3g`
+# and `satellite` at the same forwards, and split auto 0.986x / 0.991x server-spec; with the
+# write completed first, 0.994x / 0.998x its time per forward and 0.999x / 0.999x its speed
+# (docs/performance.md, block 19). A link that does not take the Verdict within this holds
+# nothing back: the outbox then writes it alone.
+HAND_OFF_S = 0.005
+
+
 class Outbox:
     """A paced session's messages, written to its stream in order by a task of their own, so a
     forward never waits for the link to take the previous Verdict (a slow link, the prompt's
-    activation rows): the server runs at its own pace, bounded by the lead alone.
+    activation rows): the server runs at its own pace, bounded by the lead alone. (`send`
+    waits for gRPC to take a Verdict, HAND_OFF_S at most and only when nothing else is being
+    written: the hand-off, not the link.)
 
     `parts` cuts a Verdict into what goes out: the Verdict, then the rows that trail it
     (wire.trailing). With `rows_in_flight` (bytes; the client acknowledges the rows it holds,
@@ -148,6 +164,9 @@ class Outbox:
         self._held = 0  # rows the client holds
         self._paused = False  # the client wants no rows for now
         self._wake = asyncio.Event()
+        self._handed = asyncio.Event()  # set: every Verdict put is handed to the stream
+        self._handed.set()
+        self._writing = False  # a write is under way
         self._task = asyncio.create_task(self._drain(write))
 
     async def put(self, verdict: Verdict) -> None:
@@ -155,7 +174,21 @@ class Outbox:
             await self._task
         head, *rows = self._parts(verdict)
         self._verdicts.append((head, rows))
+        self._handed.clear()
         self._wake.set()
+
+    async def send(self, verdict: Verdict) -> None:
+        """Puts `verdict` and, when the writer was idle, waits until the stream has taken it,
+        at most HAND_OFF_S. A writer still busy (rows, or a Verdict the link has not taken)
+        is not waited for: on a link that holds it up, every forward would wait the whole
+        HAND_OFF_S for nothing."""
+        idle = not self._writing
+        await self.put(verdict)
+        if idle and not self._handed.is_set():
+            try:
+                await asyncio.wait_for(self._handed.wait(), HAND_OFF_S)
+            except asyncio.TimeoutError:
+                pass
 
     def held(self, rows: int, paused: bool = False) -> None:
         """The client holds the activation rows of positions [0, rows), and wants no more
@@ -183,13 +216,23 @@ class Outbox:
                 verdict = self._behind_waiting_rows(*item)
                 if verdict.activations is not None:
                     self._written(verdict.activations)
-                await write(verdict)
+                await self._write(write, verdict)
+                if not self._verdicts:
+                    self._handed.set()
             elif self._rows and self._may_send(self._rows[0]):
                 rows = self._rows.popleft()
                 self._written(rows)
-                await write(rows)
+                await self._write(write, rows)
             else:
                 await self._wake.wait()
+
+    async def _write(self, write: Callable[[Verdict | ActivationRows], Awaitable[None]],
+                     msg: Verdict | ActivationRows) -> None:
+        self._writing = True
+        try:
+            await write(msg)
+        finally:
+            self._writing = False
 
     def _behind_waiting_rows(self, verdict: Verdict, rows: list[ActivationRows]) -> Verdict:
         """`verdict` as it goes out now: its own rows inside it, or moved to the backlog with
@@ -467,12 +510,5 @@ async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], 
                            forwarded.alone)
         awaited = auto is not None and not inbox.resting and auto.awaits(busy())
         await send(replace(verdict, answer_awaited=awaited) if awaited else verdict)
-        # One turn of the loop lets the outbox serialize and hand the Verdict to gRPC before
-        # the next forward starts, as a server-only generation does: done during the forward,
-        # that work took the interpreter lock from it (measured on `4g` with the server on
-        # one core and `pld` on the edge, no rows: split auto 0.975x server-spec before,
-        # 0.994x after). A link that does not take the Verdict holds nothing back: the
-        # outbox then waits alone.
-        await asyncio.sleep(0)
         if auto is not None:
             auto.sent(verdict.committed_length, time.monotonic())

@@ -275,13 +275,14 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         outbox.held(0, paused)
         reader = asyncio.create_task(self._fill(session, context, owner, inbox, outbox))
         try:
-            await outbox.put(first)  # its rows can take the link a second: no forward waits
-            await asyncio.sleep(0)  # but the Verdict is handed to gRPC first (run_paced)
+            # its rows can take the link a second: no forward waits for them, only for the
+            # Verdict to be handed to gRPC (Outbox.send)
+            await outbox.send(first)
             await run_paced(lambda: len(session.committed),
                             lambda: session.finished or not self.sessions.owns(session, owner),
                             inbox, lambda draft, queued_at: self.batcher.run(
                                 decoder.stepping(draft, queued_at, epoch), session.id),
-                            outbox.put, session.pace, session.lead,
+                            outbox.send, session.pace, session.lead,
                             lambda: self.pacing.load_wait and self.batcher.pending > 0)
             if not session.finished and await reader is _Ended.GONE:
                 self._go_on_alone(session, decoder, inbox.acked, epoch)

@@ -6,13 +6,15 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 
 import grpc
 import numpy as np
 import pytest
 
 from cloud_server.pacing import (
-    LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, Forwarded, Inbox, Outbox, PacingPolicy, run_paced,
+    HAND_OFF_S, LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, Forwarded, Inbox, Outbox, PacingPolicy,
+    run_paced,
 )
 from shared import wire
 from shared.errors import OutOfOrder
@@ -304,7 +306,7 @@ def test_a_link_that_does_not_take_a_verdict_holds_no_forward_back():
             written.append(verdict.committed_length)
         outbox = Outbox(write)
         loop = asyncio.create_task(run_paced(lambda: committed[0], lambda: not owned[0], inbox,
-                                             forward, outbox.put, Pace.SERVER, lead=4))
+                                             forward, outbox.send, Pace.SERVER, lead=4))
         await asyncio.sleep(0.05)
         ran_while_blocked = committed[0]
         link_free.set()
@@ -317,6 +319,36 @@ def test_a_link_that_does_not_take_a_verdict_holds_no_forward_back():
     ran_while_blocked, final, written = asyncio.run(go())
     assert ran_while_blocked == 14 and final == 14
     assert written == [11, 12, 13, 14]
+
+
+def test_a_verdict_is_handed_to_the_stream_before_the_next_forward():
+    """Outbox.send returns once the stream has taken the Verdict (its write completed), so the
+    write's completion does not interrupt the next forward; a write the link does not take
+    holds the session back HAND_OFF_S once, and a writer still busy with it not at all."""
+    async def go():
+        written: list[int] = []
+        link_free = asyncio.Event()
+
+        async def write(verdict: Verdict) -> None:
+            for _ in range(3):  # gRPC completes a write on a later turn of the loop
+                await asyncio.sleep(0)
+            written.append(verdict.committed_length)
+            if verdict.committed_length == 12:
+                await link_free.wait()
+        outbox = Outbox(write)
+        await outbox.send(Verdict(1, (), (1,), 11))
+        taken_before_return = list(written)
+        start = time.monotonic()
+        await outbox.send(Verdict(2, (), (1,), 12))  # taken, but its write does not complete
+        await outbox.send(Verdict(3, (), (1,), 13))  # the writer is busy: no wait
+        held_s = time.monotonic() - start
+        link_free.set()
+        await outbox.flush()
+        return taken_before_return, held_s, written
+    taken_before_return, held_s, written = asyncio.run(go())
+    assert taken_before_return == [11]
+    assert HAND_OFF_S <= held_s < 2 * HAND_OFF_S
+    assert written == [11, 12, 13]
 
 
 def _rows(start: int, n: int) -> ActivationRows:
