@@ -119,13 +119,12 @@ class Inbox:
 # Serialized and handed to gRPC, its write completed, before the next forward starts, as a
 # server-only generation's is: neither the serializing nor the completion (gRPC's poller thread
 # and then the event loop waking) takes the interpreter lock and the core from the forward.
-# Measured with the server on one core and `pld` on the edge (no rows), 12 prompts a link:
-# with one turn of the loop before the forward instead (the write serialized, then completed
-# during the forward), the server's time per forward ran 1.0-1.1% above server-spec's on `3g`
-# and `satellite` at the same forwards, and split auto 0.986x / 0.991x server-spec; with the
-# write completed first, 0.994x / 0.998x its time per forward and 0.999x / 0.999x its speed
-# (docs/performance.md, block 19). A link that does not take the Verdict within this holds
-# nothing back: the outbox then writes it alone.
+# Measured with the server on one core and `pld` on the edge (no rows), from `4g` on, where
+# the session makes server-spec's forwards: with one turn of the loop before the forward
+# instead (the write serialized, then completed during the forward), the server's time per
+# forward averaged 1.011x server-spec's over nine link-runs; with the write completed first,
+# 1.002x over six (docs/performance.md, block 19). A link that does not take the Verdict
+# within this holds nothing back: the outbox then writes it alone.
 HAND_OFF_S = 0.005
 
 
