@@ -49,12 +49,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--server", required=True, help="HOST:PORT of a cloud-server")
     edge_drafters = [d.value for d in DrafterName if d is not DrafterName.RECYCLE]
     p.add_argument("--drafter", choices=edge_drafters, default=DEFAULT_DRAFTER,
-                   help="'moa', 'falcon': the trained drafter the server offers (fetched "
+                   help="split: 'moa', 'falcon': the trained drafter the server offers (fetched "
                         "once, cached; falcon drafts several tokens a step); pld, aded: "
                         "training-free; 'auto': the trained drafter the server offers, else "
                         "pld (default %(default)s)")
     p.add_argument("--activations", choices=[f.name.lower() for f in ActivationFormat],
-                   default="fp16", help="how the MoA drafter's activations travel")
+                   default="fp16", help="split: how the MoA drafter's activations travel")
     p.add_argument("--max-new-tokens", type=positive, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
@@ -125,8 +125,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar for the drafter's download (a pipe gets none either)")
     p.add_argument("--tree-nodes", type=tree_nodes, default=None,
-                   help="draft nodes per round, or 'auto' (default): sized each round from the "
-                        "server's measured verify cost and the drafter's measured acceptance")
+                   help="split: draft nodes per round, or 'auto' (default): sized each round "
+                        "from the server's measured verify cost and the drafter's measured "
+                        "acceptance")
 
 
 def positive(text: str) -> int:
