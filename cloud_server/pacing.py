@@ -12,6 +12,7 @@ service hands it a forward and a send.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -184,10 +185,10 @@ class Outbox:
         idle = not self._writing
         await self.put(verdict)
         if idle and not self._handed.is_set():
-            try:
-                await asyncio.wait_for(self._handed.wait(), HAND_OFF_S)
-            except asyncio.TimeoutError:
-                pass
+            # every forward passes here: a timer alone, not wait_for's task and timer
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(HAND_OFF_S):
+                    await self._handed.wait()
 
     def held(self, rows: int, paused: bool = False) -> None:
         """The client holds the activation rows of positions [0, rows), and wants no more
