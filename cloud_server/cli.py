@@ -12,7 +12,7 @@ import sys
 from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.pacing import PacingPolicy
 from shared.drafting import SERVER_DRAFTERS
-from cloud_server.device import Device, Precision
+from cloud_server.device import Device, Precision, Weights
 from shared import progress
 from shared.drafting.base import DrafterName
 from shared.messages import Limits, Pace
@@ -35,7 +35,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "between a tree forward and a decode step, README); auto: fp32 on the "
                         "CPU, bf16 on a GPU")
     p.add_argument("--cpu-linear", choices=("onednn", "stock"), default="onednn",
-                   help="CPU linear kernels: oneDNN (about 2x faster here) or PyTorch's default")
+                   help="CPU linear kernels for --weights fp32: oneDNN (about 2x faster here) "
+                        "or PyTorch's default")
+    p.add_argument("--weights", choices=[w.value for w in Weights], default=Weights.AUTO.value,
+                   help="q4: the GGUF's 4-bit blocks (or the checkpoint rounded to 4 bits) in one "
+                        "onnxruntime graph, on the CPU, for Llama-shaped models; fp32: "
+                        "transformers' modules in --dtype; auto (default): q4 where it runs, "
+                        "else fp32. Split output equals the same server's plain output either way")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
     p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
@@ -147,10 +153,12 @@ def run(argv: list[str]) -> int:
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)
         model_thread = ModelThread()
         target = model_thread.call(TargetModel.load, path, model_id, Device(args.device),
-                                   args.cpu_linear == "onednn", Precision(args.dtype))
+                                   args.cpu_linear == "onednn", Precision(args.dtype),
+                                   Weights(args.weights), model_store.gguf_of(args.model))
         service = build_service(target, limits_from(args), model_thread, drafter_dir,
                                 pacing_from(args), args.kv_budget_mb * 2**20, args.batch_tokens)
-        print(f"loaded {model_id} on {target.device}", file=sys.stderr, flush=True)
+        weights = "q4" if target.engine is not None else str(target.model.dtype).split(".")[-1]
+        print(f"loaded {model_id} on {target.device} ({weights})", file=sys.stderr, flush=True)
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)
             print(f"metrics on http://{args.host}:{bound}/metrics", file=sys.stderr, flush=True)

@@ -16,3 +16,11 @@ class Precision(StrEnum):
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
+
+
+class Weights(StrEnum):
+    """How the target's linear layers are stored and run (`cloud-server --weights`)."""
+
+    AUTO = "auto"  # q4 where the 4-bit engine runs the model (the CPU, a Llama), else fp32
+    FP32 = "fp32"  # transformers' modules, in --dtype
+    Q4 = "q4"  # the GGUF's 4-bit blocks in one onnxruntime graph (cloud_server/onnx_engine.py)

@@ -50,6 +50,11 @@ class ReservedLayer(DynamicLayer):
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
 
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The buffers [batch, kv_heads, room, head_dim] under the keys and values, when they
+        still are; positions past the cached ones hold zeros or stale finite values."""
+        return self._buffers if self._holds(self.get_seq_length()) else None
+
     def _holds(self, end: int) -> bool:
         """The buffers are still under the layer's keys and values, with room for `end`."""
         if self._buffers is None or self.keys is None or self.values is None:
@@ -65,7 +70,7 @@ class ReservedLayer(DynamicLayer):
         old = (self.keys, self.values)
         buffers = []
         for states, like in zip(old, new):
-            buffer = like.new_empty((*like.shape[:-2], room, like.shape[-1]))
+            buffer = like.new_zeros((*like.shape[:-2], room, like.shape[-1]))
             if length:
                 assert states is not None
                 buffer[..., :length, :] = states[..., :length, :]

@@ -31,6 +31,12 @@ def resolve(spec: str) -> tuple[str, str]:
     return spec, model_id
 
 
+def gguf_of(spec: str) -> Path | None:
+    """The GGUF file a model spec's checkpoint was converted from, if any: its 4-bit blocks are
+    what `--weights q4` runs."""
+    return gguf_path() if spec == DEFAULT_SPEC else None
+
+
 def gguf_path() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or spec.origin is None:

@@ -13,13 +13,17 @@ from typing import Sequence
 import torch
 
 from cloud_server.target import TargetModel
+from shared.tree import DraftTree
 
 NEAR_TIE = 1e-3
 
 
 @torch.inference_mode()
 def plain_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers `generate`, greedy, stopping at the target's stop tokens (kept)."""
+    """transformers `generate`, greedy, stopping at the target's stop tokens (kept); with the
+    4-bit engine, the engine's own decoding steps (its weights are not the modules')."""
+    if target.engine is not None:
+        return _stepped_greedy(target, prompt_ids, max_new_tokens)
     ids = torch.tensor([list(prompt_ids)], device=target.device)
     stops = list(target.stop_token_ids())
     generate = target.model.generate  # causal LMs mix it in; PreTrainedModel's stub lacks it
@@ -27,6 +31,20 @@ def plain_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_tokens:
                    max_new_tokens=max_new_tokens, eos_token_id=stops, pad_token_id=stops[0],
                    top_p=None, top_k=None, temperature=None)
     return out[0, ids.shape[1]:].tolist()
+
+
+def _stepped_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int
+                    ) -> list[int]:
+    """Greedy decoding one token a forward through the target's own forward pass."""
+    stops = set(target.stop_token_ids())
+    cache, logits = target.prefill(list(prompt_ids))
+    out: list[int] = []
+    while len(out) < max_new_tokens:
+        out.append(int(logits.argmax()))
+        if out[-1] in stops or len(out) == max_new_tokens:
+            break
+        logits = target.forward_tree(cache, out[-1], DraftTree.chain([]))[0]
+    return out
 
 
 @dataclass(frozen=True)
@@ -48,7 +66,10 @@ def compare(target: TargetModel, prompt_ids: Sequence[int], split: Sequence[int]
     if j is None:
         # One may simply be a prefix of the other when both stopped at a length limit.
         return Comparison(None if len(split) == len(plain) else n, float("inf"))
-    ids = torch.tensor([list(prompt_ids) + list(plain[:j])], device=target.device)
-    logits = target.model(input_ids=ids).logits[0, -1].float()
-    top2 = torch.topk(logits, 2).values
+    ids = list(prompt_ids) + list(plain[:j])
+    if target.engine is not None:
+        logits = target.prefill(ids)[1]
+    else:
+        logits = target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0, -1]
+    top2 = torch.topk(logits.float(), 2).values
     return Comparison(j, float(top2[0] - top2[1]))

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Generator, Sequence, TypeVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Generator, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -23,13 +24,16 @@ from transformers import (
 
 from cloud_server import ragged
 from cloud_server.cpu_kernels import use_onednn_linear
-from cloud_server.device import Device, Precision
+from cloud_server.device import Device, Precision, Weights
 from cloud_server.kv_cache import reserved_cache
 from cloud_server.layer_outputs import LayerOutputs
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
 from shared.tree import DraftTree
 
+
+if TYPE_CHECKING:
+    from cloud_server.onnx_engine import OnnxEngine
 
 T = TypeVar("T")
 PREFILL_CHUNK = 256  # prompt tokens per forward: a long prompt does not hold a batch up
@@ -80,23 +84,28 @@ class TargetModel:
     model_id: str
     device: torch.device
     batchable: bool = False  # several sessions' jobs can share a forward (ragged.py)
+    engine: "OnnxEngine | None" = None  # runs the forwards instead of `model` (--weights q4)
 
     @classmethod
     def load(cls, path: str, model_id: str, device: Device | str = Device.AUTO,
-             onednn: bool = True, precision: Precision | str = Precision.FP32) -> "TargetModel":
-        """`device` and `precision` may be given as text ("cpu", "bf16"); `onednn`: on the
-        CPU, run fp32 linear layers through oneDNN (cpu_kernels.py). fp32 by default, as
-        `cloud-server --dtype`: only there is greedy output plain decoding's token for token
-        on a GPU too (README, `--dtype`)."""
+             onednn: bool = True, precision: Precision | str = Precision.FP32,
+             weights: Weights | str = Weights.FP32, gguf: Path | None = None) -> "TargetModel":
+        """`device`, `precision` and `weights` may be given as text ("cpu", "bf16", "q4");
+        `onednn`: on the CPU, run fp32 linear layers through oneDNN (cpu_kernels.py). fp32 by
+        default, as `cloud-server --dtype`: only there is greedy output plain decoding's token
+        for token on a GPU too (README, `--dtype`). `gguf`: the file the checkpoint was
+        converted from, whose 4-bit blocks `weights` q4 runs as they ship."""
         dev = pick_device(Device(device))
         dtype = pick_dtype(Precision(precision), dev)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         # transformers wraps PreTrainedModel.to in a decorator whose stub loses the signature
         model = model.to(dev).eval()  # type: ignore[arg-type]
-        if onednn and dev.type == "cpu":
-            use_onednn_linear(model)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        return cls(model, tokenizer, model_id, dev, ragged.install(model))
+        engine = _engine(model, Weights(weights), gguf)
+        if engine is None and onednn and dev.type == "cpu":
+            use_onednn_linear(model)
+        batchable = engine is not None or ragged.install(model)
+        return cls(model, tokenizer, model_id, dev, batchable, engine)
 
     @property
     def vocab_size(self) -> int:
@@ -201,6 +210,9 @@ class TargetModel:
         if len(jobs) > 1 and not self.batchable:
             raise RuntimeError(f"{self.model_id} cannot run several sessions in one forward")
         layers = next((job.capture for job in jobs if job.capture), ())
+        if self.engine is not None:
+            self.engine.run(jobs, layers)
+            return
         offsets = np.cumsum([0] + [len(job.ids) for job in jobs])
         keep = np.concatenate([start + np.array(job.rows, dtype=np.int64)
                                for start, job in zip(offsets, jobs)])
@@ -251,6 +263,26 @@ class TargetModel:
         mask = torch.zeros(allowed.shape, dtype=dtype, device=self.device)
         mask.masked_fill_(torch.from_numpy(~allowed).to(self.device), torch.finfo(dtype).min)
         return mask[None, None]
+
+
+def _engine(model: PreTrainedModel, weights: Weights, gguf: Path | None) -> "OnnxEngine | None":
+    """The 4-bit engine for `model` when `weights` asks for it (auto: where it can run)."""
+    if weights is Weights.FP32:
+        return None
+    from cloud_server import onnx_engine
+
+    why = onnx_engine.unsupported(model)
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        why = why or "it runs on the CPU from fp32 weights only (--device cpu --dtype fp32)"
+    if why is not None:
+        if weights is Weights.Q4:
+            raise ValueError(f"--weights q4 cannot run this model: {why}")
+        return None
+    engine = onnx_engine.OnnxEngine(onnx_engine.shape_of(model.config),
+                                    onnx_engine.llama_weights(model, gguf),
+                                    torch.get_num_threads())
+    engine.warm_up()
+    return engine
 
 
 @torch.inference_mode()

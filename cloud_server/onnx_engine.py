@@ -1,0 +1,169 @@
+"""Runs the target's forwards through onnxruntime with 4-bit weights (`cloud-server --weights
+q4`): TargetModel hands it the same ForwardJobs it would run through transformers.
+
+On the CPU a decoding step costs the weight bytes it reads: the GGUF's 4-bit blocks instead of
+their fp32 dequantization, and one graph per forward instead of a Python call per module
+(onnx_llama.py). The caches stay the sessions' DynamicCaches, growing in place (kv_cache.py):
+the graph reads each layer's buffer where it lies and returns the new keys and values, which are
+appended here, so compaction, crops and admission work on them as before.
+
+Lossless against itself: split decoding is judged against plain decoding through this same
+engine (cloud_server/reference.py). A row's result does not depend on the rows beside it except
+through rounding (a one-row product takes another kernel), so a tree forward and a decoding step
+agree up to near-ties, as fp32 does (README, `--weights`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from transformers import DynamicCache
+
+from cloud_server import block_weights, onnx_llama
+from cloud_server.kv_cache import ReservedLayer
+
+MOST_SESSIONS = 8  # sessions one graph takes; a larger batch runs as several forwards
+NEG = np.float32(np.finfo(np.float32).min)
+
+
+def shape_of(config: Any) -> onnx_llama.LlamaShape:
+    heads = config.num_attention_heads
+    return onnx_llama.LlamaShape(
+        layers=config.num_hidden_layers, width=config.hidden_size, heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        intermediate=config.intermediate_size, vocab=config.vocab_size,
+        eps=float(config.rms_norm_eps))
+
+
+def unsupported(model: Any) -> str | None:
+    """Why the 4-bit engine cannot run `model` exactly, or None when it can."""
+    config = model.config
+    if config.model_type != "llama":
+        return f"it runs Llama-shaped models only, not {config.model_type!r}"
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        return "it has no biases on the projections"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"it has no {config.hidden_act} activation"
+    if config.hidden_size % block_weights.BLOCK or config.intermediate_size % block_weights.BLOCK:
+        return f"its layers' widths must be multiples of {block_weights.BLOCK}"
+    return None
+
+
+def llama_weights(model: Any, gguf: Path | None) -> onnx_llama.LlamaWeights:
+    """The model's weights for the graph: its GGUF's blocks as shipped when there is one, else its
+    fp32 linear layers rounded to 4 bits."""
+    state = {name: p.detach().float().numpy() for name, p in model.state_dict().items()}
+    shape = shape_of(model.config)
+    if gguf is not None:
+        blocks = block_weights.from_gguf(gguf, shape.heads, shape.kv_heads)
+    else:
+        blocks = {name[: -len(".weight")]: block_weights.quantize_q4(w)
+                  for name, w in state.items() if w.ndim == 2 and "embed_tokens" not in name}
+        blocks.setdefault("lm_head", block_weights.quantize_q4(
+            state["model.embed_tokens.weight"]))
+    norms = {name[: -len(".weight")]: w for name, w in state.items() if "norm" in name}
+    rotary = model.model.rotary_emb
+    return onnx_llama.LlamaWeights(blocks, norms, state["model.embed_tokens.weight"],
+                                   rotary.inv_freq.float().numpy(),
+                                   float(getattr(rotary, "attention_scaling", 1.0)))
+
+
+class OnnxEngine:
+    """Forwards of up to MOST_SESSIONS sessions a graph; one graph per session count, built
+    when first needed."""
+
+    def __init__(self, shape: onnx_llama.LlamaShape, weights: onnx_llama.LlamaWeights,
+                 threads: int):
+        self.shape = shape
+        self._weights = weights
+        self._threads = threads
+        self._graphs: dict[int, ort.InferenceSession] = {}
+
+    def _graph(self, sessions: int) -> ort.InferenceSession:
+        if sessions not in self._graphs:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = self._threads
+            options.inter_op_num_threads = 1
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            model = onnx_llama.build(self.shape, self._weights, sessions)
+            self._graphs[sessions] = ort.InferenceSession(
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return self._graphs[sessions]
+
+    def warm_up(self) -> None:
+        """Builds the one-session graph now rather than in the first request's forward."""
+        self._graph(1)
+
+    def run(self, jobs: Sequence[Any], capture: tuple[int, ...]) -> None:
+        """Fills each job's logits (and hidden states for `capture`); appends the new keys
+        and values to its cache."""
+        for start in range(0, len(jobs), MOST_SESSIONS):
+            self._run(jobs[start: start + MOST_SESSIONS], capture)
+
+    def _run(self, jobs: Sequence[Any], capture: tuple[int, ...]) -> None:
+        s = self.shape
+        lengths = [len(job.ids) for job in jobs]
+        # A one-row product takes another kernel, which rounds differently; a lone token runs
+        # beside a copy of itself, so a decoding step computes what a tree forward does.
+        twin = lengths == [1]
+        offsets = np.cumsum([0] + lengths)
+        feed: dict[str, np.ndarray] = {
+            "ids": np.array([t for job in jobs for t in job.ids] * (1 + twin), dtype=np.int64),
+            "positions": np.concatenate([job.positions for job in jobs] * (1 + twin)),
+            "keep": np.concatenate([o + np.array(job.rows, dtype=np.int64)
+                                    for o, job in zip(offsets, jobs)])}
+        if len(jobs) > 1:
+            feed["lengths"] = np.array(lengths, dtype=np.int64)
+        for b, job in enumerate(jobs):
+            feed.update(self._session_inputs(job, b, twin))
+        names = (["logits"] + [f"new_{kv}_{i}" for i in range(s.layers) for kv in "kv"]
+                 + [f"hidden_{i}" for i in capture])
+        out = dict(zip(names, self._graph(len(jobs)).run(names, feed)))
+        logits = torch.from_numpy(out["logits"]).split([len(job.rows) for job in jobs])
+        hidden = (torch.from_numpy(np.stack([out[f"hidden_{i}"][: offsets[-1]] for i in capture],
+                                            axis=1)).split(lengths) if capture else None)
+        for b, job in enumerate(jobs):
+            job.logits = logits[b]
+            job.hidden = hidden[b] if hidden is not None and job.capture else None
+        for i in range(s.layers):
+            keys = torch.from_numpy(out[f"new_k_{i}"][:, : offsets[-1]]).split(lengths, dim=1)
+            values = torch.from_numpy(out[f"new_v_{i}"][:, : offsets[-1]]).split(lengths, dim=1)
+            for job, k, v in zip(jobs, keys, values):
+                job.cache.update(k[None], v[None], i)
+
+    def _session_inputs(self, job: Any, b: int, twin: bool) -> dict[str, np.ndarray]:
+        """Session b's mask [groups * new, room + new], its split of the scores, and its
+        layers' cache buffers [kv_heads, room, head_dim] as they lie. `twin`: its one token
+        runs twice, the copy seeing what the token sees."""
+        s = self.shape
+        pasts = [_buffers(job.cache, i, s) for i in range(s.layers)]
+        cached, room, new = job.cache.get_seq_length(), pasts[0][0].shape[1], len(job.ids)
+        allowed = (job.allowed if job.allowed is not None
+                   else np.tri(new, cached + new, cached, dtype=bool))  # [new, cached + new]
+        mask = np.full((new + twin, room + new + twin), NEG, dtype=np.float32)
+        mask[:new, :cached][allowed[:, :cached]] = 0
+        mask[:new, room: room + new][allowed[:, cached:]] = 0
+        mask[new:] = mask[:twin]
+        feed = {f"mask_{b}": np.tile(mask, (s.groups, 1)),
+                f"parts_{b}": np.array([room, new + twin], dtype=np.int64)}
+        for i, (keys, values) in enumerate(pasts):
+            feed[f"past_k_{i}_{b}"], feed[f"past_v_{i}_{b}"] = keys, values
+        return feed
+
+
+def _buffers(cache: DynamicCache, layer: int, s: onnx_llama.LlamaShape
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's keys and values [kv_heads, room, head_dim], without copying where it can."""
+    entry = cache.layers[layer]
+    stored = entry.storage() if isinstance(entry, ReservedLayer) else None
+    if stored is not None:
+        return stored[0][0].numpy(), stored[1][0].numpy()
+    keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
+    if keys is None or values is None or not cache.get_seq_length(layer):
+        empty = np.zeros((s.kv_heads, 0, s.head_dim), dtype=np.float32)
+        return empty, empty
+    return keys[0].contiguous().numpy(), values[0].contiguous().numpy()

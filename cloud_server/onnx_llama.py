@@ -1,0 +1,218 @@
+"""A Llama forward pass as one onnxruntime graph, with 4-/8-bit block weights (block_weights.py).
+
+Knows nothing of sessions or trees: the graph maps the new tokens of B sessions (side by side,
+`lengths` [B]) to logits of the rows asked for and to each layer's new keys and values, which
+the caller appends to its caches. Each session's cached keys and values come in as they lie in
+its cache buffer ([kv_heads, room, head_dim], room >= what is cached), with an additive mask
+[groups * new, room + new] that hides the room not yet written and whatever the session's tree
+mask hides; so the graph never copies a cache. Attention runs per session, as in ragged.py:
+the projections, MLP and head run on all sessions' tokens at once.
+
+Layer i's output (the residual stream after it) is the graph output `hidden_i`, for a drafter
+fed by the target's hidden states (layer_outputs.py does the same for the torch forward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from cloud_server.block_weights import BLOCK, BlockWeight, stacked
+
+OPSET = 17
+IR_VERSION = 10  # what onnxruntime 1.20 and newer read
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    layers: int
+    width: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    eps: float
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+@dataclass(frozen=True)
+class LlamaWeights:
+    """Block weights by transformers' layer names, fp32 norms, the fp32 embedding table
+    [vocab, width] and the rotary inverse frequencies [head_dim / 2] with their scaling."""
+
+    blocks: dict[str, BlockWeight]
+    norms: dict[str, np.ndarray]
+    embedding: np.ndarray
+    inv_freq: np.ndarray
+    rope_scaling: float
+
+
+class _Graph:
+    """Collects nodes, initializers and names while the forward is written out."""
+
+    def __init__(self) -> None:
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self._count = 0
+
+    def name(self, hint: str) -> str:
+        self._count += 1
+        return f"{hint}_{self._count}"
+
+    def const(self, value: np.ndarray, hint: str = "c") -> str:
+        name = self.name(hint)
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
+
+    def op(self, kind: str, *inputs: str, out: str | None = None, domain: str = "",
+           **attrs: Any) -> str:
+        result = out or self.name(kind.lower())
+        self.nodes.append(helper.make_node(kind, list(inputs), [result], domain=domain, **attrs))
+        return result
+
+    def ops(self, kind: str, inputs: list[str], outputs: int, **attrs: Any) -> list[str]:
+        results = [self.name(kind.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(kind, inputs, results, **attrs))
+        return results
+
+    def ints(self, *values: int) -> str:
+        return self.const(np.array(values, dtype=np.int64), "shape")
+
+
+def _linear(g: _Graph, x: str, weight: BlockWeight) -> str:
+    """x [T, in] @ weight.T -> [T, out], MatMulNBits with int8 activations (accuracy level 4)."""
+    out, width = weight.shape
+    blocks = width // BLOCK
+    zero = 0 if weight.bits == 4 else 128
+    zeros = np.full((out, (blocks + 1) // 2 if weight.bits == 4 else blocks), zero, np.uint8)
+    y = g.op("MatMulNBits", x, g.const(weight.packed(), "q"), g.const(weight.scales.reshape(-1)),
+             g.const(zeros, "zero"), domain="com.microsoft", K=width, N=out, bits=weight.bits,
+             block_size=BLOCK, accuracy_level=4)
+    if weight.mins is None:
+        return y
+    sums = g.op("ReduceSum", g.op("Reshape", x, g.ints(-1, blocks, BLOCK)), g.ints(2),
+                keepdims=0)  # [T, in // 32]
+    return g.op("Add", y, g.op("MatMul", sums, g.const(weight.mins.T.astype(np.float32), "min")))
+
+
+def _rms_norm(g: _Graph, x: str, weight: np.ndarray, eps: float) -> str:
+    """The pattern onnxruntime fuses into SimplifiedLayerNormalization."""
+    square = g.op("Pow", x, g.const(np.array(2.0, np.float32)))
+    mean = g.op("ReduceMean", square, axes=[-1], keepdims=1)
+    root = g.op("Sqrt", g.op("Add", mean, g.const(np.array(eps, np.float32))))
+    return g.op("Mul", g.op("Div", x, root), g.const(weight.astype(np.float32), "norm"))
+
+
+def _rotate(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
+    """Rotary embedding, transformers' convention: x * cos + rotate_half(x) * sin."""
+    first, second = g.ops("Split", [x, g.ints(half, half)], 2, axis=-1)
+    rotated = g.op("Concat", g.op("Neg", second), first, axis=-1)
+    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+
+def _attend(g: _Graph, s: LlamaShape, q: str, k: str, v: str, layer: int, b: int) -> str:
+    """One session's attention: q [kv_heads, groups, t, head_dim], its new k and v
+    [kv_heads, t, head_dim] -> [t, width], over its cache and its new tokens."""
+    scale = float(s.head_dim ** -0.5)
+    q = g.op("Reshape", q, g.ints(s.kv_heads, -1, s.head_dim))  # [kv, groups * t, hd]
+    past_k, past_v = f"past_k_{layer}_{b}", f"past_v_{layer}_{b}"
+    scores = g.op("Concat",
+                  g.op("FusedMatMul", q, past_k, domain="com.microsoft", transB=1, alpha=scale),
+                  g.op("FusedMatMul", q, k, domain="com.microsoft", transB=1, alpha=scale),
+                  axis=-1)  # [kv, groups * t, room + t]
+    scores = g.op("Add", scores, f"mask_{b}")
+    weights = g.op("Exp", g.op("Sub", scores, g.op("ReduceMax", scores, axes=[-1], keepdims=1)))
+    weights = g.op("Cast", weights, to=TensorProto.DOUBLE)  # sums in double: see below
+    w_past, w_new = g.ops("Split", [weights, f"parts_{b}"], 2, axis=-1)
+    total = g.op("Add", g.op("MatMul", w_past, g.op("Cast", past_v, to=TensorProto.DOUBLE)),
+                 g.op("MatMul", w_new, g.op("Cast", v, to=TensorProto.DOUBLE)))
+    norm = g.op("ReduceSum", weights, g.ints(-1), keepdims=1)
+    out = g.op("Cast", g.op("Div", total, norm), to=TensorProto.FLOAT)
+    out = g.op("Reshape", out, g.ints(s.kv_heads, s.groups, -1, s.head_dim))
+    out = g.op("Transpose", out, perm=[2, 0, 1, 3])  # [t, kv, groups, hd]
+    return g.op("Reshape", out, g.ints(-1, s.heads * s.head_dim))
+
+
+def _layer(g: _Graph, s: LlamaShape, w: LlamaWeights, x: str, i: int, cos: str, sin: str,
+           sessions: int) -> str:
+    prefix = f"model.layers.{i}."
+    names = [prefix + n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")]
+    h = _rms_norm(g, x, w.norms[prefix + "input_layernorm"], s.eps)
+    kv_width = s.kv_heads * s.head_dim
+    q, k, v = g.ops("Split", [_linear(g, h, stacked([w.blocks[n] for n in names])),
+                              g.ints(s.heads * s.head_dim, kv_width, kv_width)], 3, axis=-1)
+    half = s.head_dim // 2
+    q = _rotate(g, g.op("Reshape", q, g.ints(-1, s.heads, s.head_dim)), cos, sin, half)
+    k = _rotate(g, g.op("Reshape", k, g.ints(-1, s.kv_heads, s.head_dim)), cos, sin, half)
+    k = g.op("Transpose", k, perm=[1, 0, 2], out=f"new_k_{i}")  # [kv, T, hd]
+    v = g.op("Transpose", g.op("Reshape", v, g.ints(-1, s.kv_heads, s.head_dim)),
+             perm=[1, 0, 2], out=f"new_v_{i}")
+    q = g.op("Transpose", g.op("Reshape", q, g.ints(-1, s.kv_heads, s.groups, s.head_dim)),
+             perm=[1, 2, 0, 3])  # [kv, groups, T, hd]
+    if sessions == 1:
+        attended = _attend(g, s, q, k, v, i, 0)
+    else:
+        qs = g.ops("Split", [q, "lengths"], sessions, axis=2)
+        ks = g.ops("Split", [k, "lengths"], sessions, axis=1)
+        vs = g.ops("Split", [v, "lengths"], sessions, axis=1)
+        attended = g.op("Concat", *[_attend(g, s, qs[b], ks[b], vs[b], i, b)
+                                    for b in range(sessions)], axis=0)
+    x = g.op("Add", x, _linear(g, attended, w.blocks[prefix + "self_attn.o_proj"]))
+    h = _rms_norm(g, x, w.norms[prefix + "post_attention_layernorm"], s.eps)
+    up_names = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
+    gate, up = g.ops("Split", [_linear(g, h, stacked([w.blocks[n] for n in up_names])),
+                               g.ints(s.intermediate, s.intermediate)], 2, axis=-1)
+    act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
+    return g.op("Add", x, _linear(g, act, w.blocks[prefix + "mlp.down_proj"]), out=f"hidden_{i}")
+
+
+def _rope_tables(g: _Graph, w: LlamaWeights) -> tuple[str, str]:
+    """cos and sin [T, 1, head_dim] at `positions`, as transformers' rotary embedding."""
+    position = g.op("Unsqueeze", g.op("Cast", "positions", to=TensorProto.FLOAT), g.ints(1))
+    freqs = g.op("Mul", position, g.const(w.inv_freq.astype(np.float32), "inv_freq"))
+    angles = g.op("Unsqueeze", g.op("Concat", freqs, freqs, axis=-1), g.ints(1))
+    scaling = g.const(np.array(w.rope_scaling, np.float32))
+    return (g.op("Mul", g.op("Cos", angles), scaling), g.op("Mul", g.op("Sin", angles), scaling))
+
+
+def build(s: LlamaShape, w: LlamaWeights, sessions: int) -> onnx.ModelProto:
+    """The forward of `sessions` sessions' new tokens in one graph."""
+    g = _Graph()
+    cos, sin = _rope_tables(g, w)
+    x = g.op("Gather", g.const(w.embedding.astype(np.float32), "embed"), "ids", axis=0)
+    for i in range(s.layers):
+        x = _layer(g, s, w, x, i, cos, sin, sessions)
+    final = _rms_norm(g, x, w.norms["model.norm"], s.eps)
+    g.op("Identity", _linear(g, g.op("Gather", final, "keep", axis=0), w.blocks["lm_head"]),
+         out="logits")
+    return _model(g, s, sessions)
+
+
+def _model(g: _Graph, s: LlamaShape, sessions: int) -> onnx.ModelProto:
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    inputs = [helper.make_tensor_value_info(n, i64, [d]) for n, d in
+              (("ids", "T"), ("positions", "T"), ("keep", "R"))]
+    if sessions > 1:
+        inputs.append(helper.make_tensor_value_info("lengths", i64, [sessions]))
+    for b in range(sessions):
+        inputs += [helper.make_tensor_value_info(f"mask_{b}", f, [f"gt_{b}", f"S_{b}"]),
+                   helper.make_tensor_value_info(f"parts_{b}", i64, [2])]
+        inputs += [helper.make_tensor_value_info(f"past_{kv}_{i}_{b}", f,
+                                                 [s.kv_heads, f"room_{b}", s.head_dim])
+                   for i in range(s.layers) for kv in "kv"]
+    outputs = [helper.make_tensor_value_info("logits", f, ["R", s.vocab])]
+    outputs += [helper.make_tensor_value_info(f"new_{kv}_{i}", f, [s.kv_heads, "T", s.head_dim])
+                for i in range(s.layers) for kv in "kv"]
+    outputs += [helper.make_tensor_value_info(f"hidden_{i}", f, ["T", s.width])
+                for i in range(s.layers)]
+    graph = helper.make_graph(g.nodes, "llama_forward", inputs, outputs, g.initializers)
+    return helper.make_model(graph, ir_version=IR_VERSION,
+                             opset_imports=[helper.make_opsetid("", OPSET),
+                                            helper.make_opsetid("com.microsoft", 1)])
