@@ -14,6 +14,7 @@ agree up to near-ties, as fp32 does (README, `--weights`).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -67,8 +68,7 @@ def llama_weights(model: Any, gguf: Path | None) -> onnx_llama.LlamaWeights:
             state["model.embed_tokens.weight"]))
     norms = {name[: -len(".weight")]: w for name, w in state.items() if "norm" in name}
     rotary = model.model.rotary_emb
-    return onnx_llama.LlamaWeights(blocks, norms, state["model.embed_tokens.weight"],
-                                   rotary.inv_freq.float().numpy(),
+    return onnx_llama.LlamaWeights(blocks, norms, rotary.inv_freq.float().numpy(),
                                    float(getattr(rotary, "attention_scaling", 1.0)))
 
 
@@ -77,10 +77,12 @@ class OnnxEngine:
     when first needed."""
 
     def __init__(self, shape: onnx_llama.LlamaShape, weights: onnx_llama.LlamaWeights,
-                 threads: int):
+                 embedding: torch.nn.Module, threads: int):
         self.shape = shape
         self._weights = weights
+        self._embedding = embedding
         self._threads = threads
+        self._consts: dict[str, Any] = {}
         self._graphs: dict[int, ort.InferenceSession] = {}
 
     def _graph(self, sessions: int) -> ort.InferenceSession:
@@ -89,7 +91,10 @@ class OnnxEngine:
             options.intra_op_num_threads = self._threads
             options.inter_op_num_threads = 1
             options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            model = onnx_llama.build(self.shape, self._weights, sessions)
+            if self._graphs:
+                print(f"building the 4-bit graph for {sessions} sessions a forward (once)",
+                      file=sys.stderr, flush=True)
+            model = onnx_llama.build(self.shape, self._weights, sessions, self._consts)
             self._graphs[sessions] = ort.InferenceSession(
                 model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return self._graphs[sessions]
@@ -98,6 +103,7 @@ class OnnxEngine:
         """Builds the one-session graph now rather than in the first request's forward."""
         self._graph(1)
 
+    @torch.inference_mode()
     def run(self, jobs: Sequence[Any], capture: tuple[int, ...]) -> None:
         """Fills each job's logits (and hidden states for `capture`); appends the new keys
         and values to its cache."""
@@ -111,8 +117,9 @@ class OnnxEngine:
         # beside a copy of itself, so a decoding step computes what a tree forward does.
         twin = lengths == [1]
         offsets = np.cumsum([0] + lengths)
+        ids = torch.tensor([t for job in jobs for t in job.ids] * (1 + twin))
         feed: dict[str, np.ndarray] = {
-            "ids": np.array([t for job in jobs for t in job.ids] * (1 + twin), dtype=np.int64),
+            "embeds": self._embedding(ids).numpy(),
             "positions": np.concatenate([job.positions for job in jobs] * (1 + twin)),
             "keep": np.concatenate([o + np.array(job.rows, dtype=np.int64)
                                     for o, job in zip(offsets, jobs)])}

@@ -6,7 +6,8 @@ the caller appends to its caches. Each session's cached keys and values come in 
 its cache buffer ([kv_heads, room, head_dim], room >= what is cached), with an additive mask
 [groups * new, room + new] that hides the room not yet written and whatever the session's tree
 mask hides; so the graph never copies a cache. Attention runs per session, as in ragged.py:
-the projections, MLP and head run on all sessions' tokens at once.
+the projections, MLP and head run on all sessions' tokens at once. The input is the tokens'
+embeddings [T, width], looked up by the caller.
 
 Layer i's output (the residual stream after it) is the graph output `hidden_i`, for a drafter
 fed by the target's hidden states (layer_outputs.py does the same for the torch forward).
@@ -14,7 +15,7 @@ fed by the target's hidden states (layer_outputs.py does the same for the torch 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import onnx
@@ -44,22 +45,24 @@ class LlamaShape:
 
 @dataclass(frozen=True)
 class LlamaWeights:
-    """Block weights by transformers' layer names, fp32 norms, the fp32 embedding table
-    [vocab, width] and the rotary inverse frequencies [head_dim / 2] with their scaling."""
+    """Block weights by transformers' layer names, fp32 norms and the rotary inverse
+    frequencies [head_dim / 2] with their scaling. The embedding is not here: the caller looks
+    the tokens up (`embeds` [T, width]), so the graphs for each session count share its table."""
 
     blocks: dict[str, BlockWeight]
     norms: dict[str, np.ndarray]
-    embedding: np.ndarray
     inv_freq: np.ndarray
     rope_scaling: float
 
 
 class _Graph:
-    """Collects nodes, initializers and names while the forward is written out."""
+    """Collects nodes, initializers and names while the forward is written out. `consts` keeps
+    the converted weights between builds (one graph per session count)."""
 
-    def __init__(self) -> None:
+    def __init__(self, consts: dict[str, TensorProto]) -> None:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[TensorProto] = []
+        self._consts = consts
         self._count = 0
 
     def name(self, hint: str) -> str:
@@ -70,6 +73,13 @@ class _Graph:
         name = self.name(hint)
         self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
         return name
+
+    def weight(self, key: str, value: Callable[[], np.ndarray]) -> str:
+        """A weight named `key`, computed and converted once across builds."""
+        if key not in self._consts:
+            self._consts[key] = numpy_helper.from_array(np.ascontiguousarray(value()), key)
+        self.initializers.append(self._consts[key])
+        return key
 
     def op(self, kind: str, *inputs: str, out: str | None = None, domain: str = "",
            **attrs: Any) -> str:
@@ -86,20 +96,24 @@ class _Graph:
         return self.const(np.array(values, dtype=np.int64), "shape")
 
 
-def _linear(g: _Graph, x: str, weight: BlockWeight) -> str:
-    """x [T, in] @ weight.T -> [T, out], MatMulNBits with int8 activations (accuracy level 4)."""
-    out, width = weight.shape
-    blocks = width // BLOCK
-    zero = 0 if weight.bits == 4 else 128
-    zeros = np.full((out, (blocks + 1) // 2 if weight.bits == 4 else blocks), zero, np.uint8)
-    y = g.op("MatMulNBits", x, g.const(weight.packed(), "q"), g.const(weight.scales.reshape(-1)),
-             g.const(zeros, "zero"), domain="com.microsoft", K=width, N=out, bits=weight.bits,
-             block_size=BLOCK, accuracy_level=4)
-    if weight.mins is None:
+def _linear(g: _Graph, x: str, name: str, weights: list[BlockWeight]) -> str:
+    """x [T, in] @ W.T -> [T, out], W the `weights` stacked by rows, with MatMulNBits on int8
+    activations (accuracy level 4); `name` keys the converted weight."""
+    out, width = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    blocks, bits = width // BLOCK, weights[0].bits
+    zero_shape = (out, (blocks + 1) // 2 if bits == 4 else blocks)
+    y = g.op("MatMulNBits", x, g.weight(name, lambda: stacked(weights).packed()),
+             g.weight(name + ".scales", lambda: stacked(weights).scales.reshape(-1)),
+             g.weight(name + ".zeros", lambda: np.full(zero_shape, 0 if bits == 4 else 128,
+                                                       np.uint8)),
+             domain="com.microsoft", K=width, N=out, bits=bits, block_size=BLOCK,
+             accuracy_level=4)
+    if weights[0].mins is None:
         return y
     sums = g.op("ReduceSum", g.op("Reshape", x, g.ints(-1, blocks, BLOCK)), g.ints(2),
                 keepdims=0)  # [T, in // 32]
-    return g.op("Add", y, g.op("MatMul", sums, g.const(weight.mins.T.astype(np.float32), "min")))
+    mins = g.weight(name + ".mins", lambda: np.concatenate([w.mins for w in weights]).T)
+    return g.op("Add", y, g.op("MatMul", sums, mins))
 
 
 def _rms_norm(g: _Graph, x: str, weight: np.ndarray, eps: float) -> str:
@@ -146,7 +160,7 @@ def _layer(g: _Graph, s: LlamaShape, w: LlamaWeights, x: str, i: int, cos: str, 
     names = [prefix + n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")]
     h = _rms_norm(g, x, w.norms[prefix + "input_layernorm"], s.eps)
     kv_width = s.kv_heads * s.head_dim
-    q, k, v = g.ops("Split", [_linear(g, h, stacked([w.blocks[n] for n in names])),
+    q, k, v = g.ops("Split", [_linear(g, h, prefix + "qkv", [w.blocks[n] for n in names]),
                               g.ints(s.heads * s.head_dim, kv_width, kv_width)], 3, axis=-1)
     half = s.head_dim // 2
     q = _rotate(g, g.op("Reshape", q, g.ints(-1, s.heads, s.head_dim)), cos, sin, half)
@@ -164,13 +178,15 @@ def _layer(g: _Graph, s: LlamaShape, w: LlamaWeights, x: str, i: int, cos: str, 
         vs = g.ops("Split", [v, "lengths"], sessions, axis=1)
         attended = g.op("Concat", *[_attend(g, s, qs[b], ks[b], vs[b], i, b)
                                     for b in range(sessions)], axis=0)
-    x = g.op("Add", x, _linear(g, attended, w.blocks[prefix + "self_attn.o_proj"]))
+    o_name = prefix + "self_attn.o_proj"
+    x = g.op("Add", x, _linear(g, attended, o_name, [w.blocks[o_name]]))
     h = _rms_norm(g, x, w.norms[prefix + "post_attention_layernorm"], s.eps)
     up_names = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
-    gate, up = g.ops("Split", [_linear(g, h, stacked([w.blocks[n] for n in up_names])),
+    gate, up = g.ops("Split", [_linear(g, h, prefix + "gate_up", [w.blocks[n] for n in up_names]),
                                g.ints(s.intermediate, s.intermediate)], 2, axis=-1)
     act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), up)
-    return g.op("Add", x, _linear(g, act, w.blocks[prefix + "mlp.down_proj"]), out=f"hidden_{i}")
+    down = prefix + "mlp.down_proj"
+    return g.op("Add", x, _linear(g, act, down, [w.blocks[down]]), out=f"hidden_{i}")
 
 
 def _rope_tables(g: _Graph, w: LlamaWeights) -> tuple[str, str]:
@@ -182,23 +198,26 @@ def _rope_tables(g: _Graph, w: LlamaWeights) -> tuple[str, str]:
     return (g.op("Mul", g.op("Cos", angles), scaling), g.op("Mul", g.op("Sin", angles), scaling))
 
 
-def build(s: LlamaShape, w: LlamaWeights, sessions: int) -> onnx.ModelProto:
-    """The forward of `sessions` sessions' new tokens in one graph."""
-    g = _Graph()
+def build(s: LlamaShape, w: LlamaWeights, sessions: int,
+          consts: dict[str, TensorProto]) -> onnx.ModelProto:
+    """The forward of `sessions` sessions' new tokens in one graph; `consts`: the weights
+    converted by an earlier build, filled in by this one."""
+    g = _Graph(consts)
     cos, sin = _rope_tables(g, w)
-    x = g.op("Gather", g.const(w.embedding.astype(np.float32), "embed"), "ids", axis=0)
+    x = "embeds"
     for i in range(s.layers):
         x = _layer(g, s, w, x, i, cos, sin, sessions)
     final = _rms_norm(g, x, w.norms["model.norm"], s.eps)
-    g.op("Identity", _linear(g, g.op("Gather", final, "keep", axis=0), w.blocks["lm_head"]),
-         out="logits")
+    rows = g.op("Gather", final, "keep", axis=0)
+    g.op("Identity", _linear(g, rows, "lm_head", [w.blocks["lm_head"]]), out="logits")
     return _model(g, s, sessions)
 
 
 def _model(g: _Graph, s: LlamaShape, sessions: int) -> onnx.ModelProto:
     f, i64 = TensorProto.FLOAT, TensorProto.INT64
     inputs = [helper.make_tensor_value_info(n, i64, [d]) for n, d in
-              (("ids", "T"), ("positions", "T"), ("keep", "R"))]
+              (("positions", "T"), ("keep", "R"))]
+    inputs.insert(0, helper.make_tensor_value_info("embeds", f, ["T", s.width]))
     if sessions > 1:
         inputs.append(helper.make_tensor_value_info("lengths", i64, [sessions]))
     for b in range(sessions):

@@ -280,7 +280,7 @@ def _engine(model: PreTrainedModel, weights: Weights, gguf: Path | None) -> "Onn
         return None
     engine = onnx_engine.OnnxEngine(onnx_engine.shape_of(model.config),
                                     onnx_engine.llama_weights(model, gguf),
-                                    torch.get_num_threads())
+                                    model.get_input_embeddings(), torch.get_num_threads())
     engine.warm_up()
     return engine
 
