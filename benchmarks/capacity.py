@@ -32,7 +32,7 @@ import numpy as np
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, parse_cores, placement, python_module)
 from benchmarks.reliability import log, prompt_items, server_metrics
-from cloud_server.device import Device, Precision
+from cloud_server.device import Device, Precision, Weights
 from tests.cli_harness import free_port
 
 METHODS = ("split", "server-spec", "plain-api")
@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the server runs the target (cloud-server --device)")
     p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.FP32.value,
                    help="the target's precision there (cloud-server --dtype)")
+    p.add_argument("--weights", choices=[w.value for w in Weights], default=Weights.AUTO.value,
+                   help="the target's weights (cloud-server --weights)")
     add_placement_args(p)
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as one client process
     return p.parse_args(argv)
@@ -112,6 +114,7 @@ class Cell:
 @contextlib.contextmanager
 def server(kind: str, metrics_port: int, sessions: int, args: argparse.Namespace) -> Iterator[str]:
     with cloud_server("--quiet", "--device", args.device, "--dtype", args.dtype,
+                      "--weights", args.weights,
                       "--metrics-port", str(metrics_port),
                       "--max-sessions", str(max(sessions, 4)), *SERVERS[kind],
                       cores=parse_cores(args.server_cores)) as address:

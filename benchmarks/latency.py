@@ -34,6 +34,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import GenerationResult, SilentListener
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from shared.messages import ChatMessage, OpenRequest, Pace
+from cloud_server.device import Weights
 from netsim import PROFILES, NetworkConditions, OutageMode
 
 # split methods: (pace, --draft-ahead); the "-ahead" ones reach past the measured lag
@@ -67,6 +68,8 @@ def parse_args() -> argparse.Namespace:
                         "falls inside the answer (64 tokens took 1.9 s on `4g` here)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the server runs the target (cloud-server --device; fp32)")
+    p.add_argument("--weights", choices=[w.value for w in Weights], default=Weights.AUTO.value,
+                   help="the target's weights (cloud-server --weights)")
     p.add_argument("--name", default="latency", help="output file stem")
     add_placement_args(p)
     args = p.parse_args()
@@ -358,7 +361,8 @@ def main() -> None:
     args = parse_args()
     log(machine())
     items = [row for name in prompts.SETS for row in prompts.load(name, args.per_set)]
-    with cloud_server("--device", args.device, "--drafter-dir", args.drafter_dir,
+    with cloud_server("--device", args.device, "--weights", args.weights,
+                      "--drafter-dir", args.drafter_dir,
                       cores=parse_cores(args.server_cores)) as address:
         if client_cores := parse_cores(args.client_cores):
             os.sched_setaffinity(0, client_cores)  # this process: the clients and the links
@@ -370,7 +374,8 @@ def main() -> None:
     rows = summarize(records)
     header = (f"{len(items)} prompts ({args.per_set} per set), greedy, {args.max_new_tokens} "
               f"new tokens max, split drafter {args.drafter}, server-spec drafter "
-              f"{SERVER_DRAFTER}; the target on {args.device}; {machine()}; "
+              f"{SERVER_DRAFTER}; the target on {args.device}, --weights {args.weights}; "
+              f"{machine()}; "
               f"{placement(args)}\n\n")
     text = header + render(rows) + "\n"
     if outages:

@@ -1,8 +1,10 @@
-"""The server's cost model: one verification forward over a tree of n nodes vs one plain decode
-step after the same prefix (docs/performance.md), with PyTorch's default CPU linear and with
-oneDNN's. A node pays for itself only while it raises tau faster than it raises T_verify(n).
+"""The server's cost model, per weight format: one verification forward over a tree of n nodes
+against one plain decoding step after the same prefix, as the server runs them (TargetModel,
+the model thread), for fp32 weights with PyTorch's default CPU linear ("stock"), with oneDNN's
+("onednn"), and the GGUF's 4-bit blocks in one onnxruntime graph ("q4"). A node pays for itself
+only while it raises tau faster than it raises T_verify(n).
 
-    python benchmarks/verify_cost.py
+    python -m benchmarks.verify_cost --configs onednn,q4 --name verify_cost
 """
 from __future__ import annotations
 
@@ -10,53 +12,88 @@ import argparse
 import statistics
 import time
 
-import torch
-
 from benchmarks.common import RESULTS, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.calibrate import PREFIX_TOKENS, measure_verify_costs
 from cloud_server.model_thread import ModelThread
 from cloud_server.target import TargetModel
+from shared.tree import DraftTree
+
+CONFIGS = {"stock": {"onednn": False, "weights": "fp32"},
+           "onednn": {"onednn": True, "weights": "fp32"},
+           "q4": {"weights": "q4", "gguf": None}}
 
 
 def plain_step_ms(target: TargetModel, repeat: int) -> float:
-    """A decode step as plain greedy decoding runs it: one token, no mask."""
+    """A decoding step as the server's plain API runs it: one token after the prefix."""
     cache, _ = target.prefill(list(range(100, 100 + PREFIX_TOKENS)))
     samples = []
     for _ in range(repeat + 1):
         start = time.perf_counter()
-        with torch.inference_mode():
-            target.model(input_ids=torch.tensor([[42]]), past_key_values=cache, use_cache=True)
+        target.forward_tree(cache, 42, DraftTree.chain([]))
         cache.crop(-1)
         samples.append(1000 * (time.perf_counter() - start))
     return statistics.median(samples[1:])
 
 
-def measure(onednn: bool, max_nodes: int, repeat: int) -> tuple[float, tuple]:
+def measure(config: str, max_nodes: int, repeat: int) -> tuple[float, tuple]:
     thread = ModelThread()  # load and run on one thread, as the server does
-    target = thread.call(TargetModel.load, *model_store.resolve("default"), "cpu", onednn=onednn)
+    kwargs = dict(CONFIGS[config])
+    if "gguf" in kwargs:
+        kwargs["gguf"] = model_store.gguf_of(model_store.DEFAULT_SPEC)
+    target = thread.call(TargetModel.load, *model_store.resolve("default"), "cpu", **kwargs)
     plain = thread.call(plain_step_ms, target, repeat)
     costs = thread.call(measure_verify_costs, target, max_nodes, repeat)
     thread.shutdown()
     return plain, costs
 
 
+def plot(results: dict[str, tuple[float, tuple]], name: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (config, (plain, costs)) in enumerate(results.items()):
+        ax.plot([n for n, _ in costs], [ms for _, ms in costs], "o-", color=f"C{i}",
+                label=f"{config}: tree forward")
+        ax.axhline(plain, color=f"C{i}", linestyle=":", label=f"{config}: plain step")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("draft tree nodes")
+    ax.set_ylabel("ms per forward")
+    ax.set_title("SmolLM2-135M verification cost by weight format")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--max-nodes", type=int, default=64)
+    p.add_argument("--configs", default="onednn,q4", help=f"of {', '.join(CONFIGS)}")
+    p.add_argument("--max-nodes", type=int, default=32)
     p.add_argument("--repeat", type=int, default=9)
+    p.add_argument("--name", default="verify_cost", help="output file stem")
     args = p.parse_args()
-    results = {name: measure(name == "onednn", args.max_nodes, args.repeat)
-               for name in ("stock", "onednn")}
-    rows = [("plain decode step", *(f"{results[k][0]:.1f} ms (1.00)" for k in results))]
-    for i, (n, _) in enumerate(results["stock"][1]):
-        rows.append((f"tree of {n}", *(f"{results[k][1][i][1]:.1f} ms "
-                                       f"({results[k][1][i][1] / results[k][0]:.2f})"
-                                       for k in results)))
-    table = markdown_table(("forward (x plain step)", "stock linear", "oneDNN linear"), rows)
-    text = f"prefix {PREFIX_TOKENS} tokens, SmolLM2-135M-Instruct fp32; {machine()}\n\n{table}\n"
+    configs = args.configs.split(",")
+    if unknown := set(configs) - set(CONFIGS):
+        p.error(f"unknown configs: {', '.join(sorted(unknown))}")
+    results = {c: measure(c, args.max_nodes, args.repeat) for c in configs}
+    first = configs[0]
+
+    def cell(config: str, i: int | None) -> str:
+        ms = results[config][0] if i is None else results[config][1][i][1]
+        base = results[first][0] if i is None else results[first][1][i][1]
+        return f"{ms:.1f} ms ({ms / results[config][0]:.2f}; {base / ms:.2f}x)"
+
+    rows = [("plain step", *(cell(c, None) for c in configs))]
+    rows += [(f"tree of {n}", *(cell(c, i) for c in configs))
+             for i, (n, _) in enumerate(results[first][1])]
+    table = markdown_table(("forward", *configs), rows)
+    text = (f"prefix {PREFIX_TOKENS} tokens, SmolLM2-135M-Instruct; each cell: ms (x its own "
+            f"plain step; speed-up over {first}); {machine()}\n\n{table}\n")
     print(text)
-    (RESULTS / "verify_cost.md").write_text(text)
+    (RESULTS / f"{args.name}.md").write_text(text)
+    plot(results, args.name)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ q4`): TargetModel hands it the same ForwardJobs it would run through transformer
 
 On the CPU a decoding step costs the weight bytes it reads: the GGUF's 4-bit blocks instead of
 their fp32 dequantization, and one graph per forward instead of a Python call per module
-(onnx_llama.py). The caches stay the sessions' DynamicCaches, growing in place (kv_cache.py):
-the graph reads each layer's buffer where it lies and returns the new keys and values, which are
-appended here, so compaction, crops and admission work on them as before.
+(onnx_llama.py). The caches stay the sessions' DynamicCaches, growing in place (kv_cache.py), with
+the values in double (onnx_llama.KV_TYPES): the graph reads each layer's buffer where it lies and
+returns the new keys and values, which are appended here, so compaction, crops and admission
+work on them as before.
 
 Lossless against itself: split decoding is judged against plain decoding through this same
 engine (cloud_server/reference.py). A row's result does not depend on the rows beside it except
@@ -164,13 +165,14 @@ class OnnxEngine:
 
 def _buffers(cache: DynamicCache, layer: int, s: onnx_llama.LlamaShape
              ) -> tuple[np.ndarray, np.ndarray]:
-    """A layer's keys and values [kv_heads, room, head_dim], without copying where it can."""
+    """A layer's keys (fp32) and values (double) [kv_heads, room, head_dim], without copying
+    where it can."""
     entry = cache.layers[layer]
     stored = entry.storage() if isinstance(entry, ReservedLayer) else None
     if stored is not None:
         return stored[0][0].numpy(), stored[1][0].numpy()
     keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
     if keys is None or values is None or not cache.get_seq_length(layer):
-        empty = np.zeros((s.kv_heads, 0, s.head_dim), dtype=np.float32)
-        return empty, empty
+        return (np.zeros((s.kv_heads, 0, s.head_dim), dtype=np.float32),
+                np.zeros((s.kv_heads, 0, s.head_dim), dtype=np.float64))
     return keys[0].contiguous().numpy(), values[0].contiguous().numpy()

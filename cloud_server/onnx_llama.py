@@ -24,6 +24,9 @@ from onnx import TensorProto, helper, numpy_helper
 from cloud_server.block_weights import BLOCK, BlockWeight, stacked
 
 OPSET = 17
+# Keys in fp32, values in double: the weighted sum over the values is taken in double, where how
+# a tree forward and a decoding step group its terms no longer shows once rounded to fp32.
+KV_TYPES = {"k": TensorProto.FLOAT, "v": TensorProto.DOUBLE}
 IR_VERSION = 10  # what onnxruntime 1.20 and newer read
 
 
@@ -124,11 +127,11 @@ def _rms_norm(g: _Graph, x: str, weight: np.ndarray, eps: float) -> str:
     return g.op("Mul", g.op("Div", x, root), g.const(weight.astype(np.float32), "norm"))
 
 
-def _rotate(g: _Graph, x: str, cos: str, sin: str, half: int) -> str:
-    """Rotary embedding, transformers' convention: x * cos + rotate_half(x) * sin."""
-    first, second = g.ops("Split", [x, g.ints(half, half)], 2, axis=-1)
-    rotated = g.op("Concat", g.op("Neg", second), first, axis=-1)
-    return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+def _rotate(g: _Graph, x: str, heads: int) -> str:
+    """Rotary embedding of x [1, T, heads * head_dim] at `positions`, transformers' convention
+    (the halves rotated, not interleaved), from the `cos` and `sin` tables [T, head_dim / 2]."""
+    return g.op("RotaryEmbedding", x, "rope_positions", "cos", "sin", domain="com.microsoft",
+                num_heads=heads, interleaved=0)
 
 
 def _attend(g: _Graph, s: LlamaShape, q: str, k: str, v: str, layer: int, b: int) -> str:
@@ -145,8 +148,7 @@ def _attend(g: _Graph, s: LlamaShape, q: str, k: str, v: str, layer: int, b: int
     weights = g.op("Exp", g.op("Sub", scores, g.op("ReduceMax", scores, axes=[-1], keepdims=1)))
     weights = g.op("Cast", weights, to=TensorProto.DOUBLE)  # sums in double: see below
     w_past, w_new = g.ops("Split", [weights, f"parts_{b}"], 2, axis=-1)
-    total = g.op("Add", g.op("MatMul", w_past, g.op("Cast", past_v, to=TensorProto.DOUBLE)),
-                 g.op("MatMul", w_new, g.op("Cast", v, to=TensorProto.DOUBLE)))
+    total = g.op("Add", g.op("MatMul", w_past, past_v), g.op("MatMul", w_new, v))
     norm = g.op("ReduceSum", weights, g.ints(-1), keepdims=1)
     out = g.op("Cast", g.op("Div", total, norm), to=TensorProto.FLOAT)
     out = g.op("Reshape", out, g.ints(s.kv_heads, s.groups, -1, s.head_dim))
@@ -154,20 +156,20 @@ def _attend(g: _Graph, s: LlamaShape, q: str, k: str, v: str, layer: int, b: int
     return g.op("Reshape", out, g.ints(-1, s.heads * s.head_dim))
 
 
-def _layer(g: _Graph, s: LlamaShape, w: LlamaWeights, x: str, i: int, cos: str, sin: str,
-           sessions: int) -> str:
+def _layer(g: _Graph, s: LlamaShape, w: LlamaWeights, x: str, i: int, sessions: int) -> str:
     prefix = f"model.layers.{i}."
     names = [prefix + n for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")]
     h = _rms_norm(g, x, w.norms[prefix + "input_layernorm"], s.eps)
     kv_width = s.kv_heads * s.head_dim
-    q, k, v = g.ops("Split", [_linear(g, h, prefix + "qkv", [w.blocks[n] for n in names]),
-                              g.ints(s.heads * s.head_dim, kv_width, kv_width)], 3, axis=-1)
-    half = s.head_dim // 2
-    q = _rotate(g, g.op("Reshape", q, g.ints(-1, s.heads, s.head_dim)), cos, sin, half)
-    k = _rotate(g, g.op("Reshape", k, g.ints(-1, s.kv_heads, s.head_dim)), cos, sin, half)
-    k = g.op("Transpose", k, perm=[1, 0, 2], out=f"new_k_{i}")  # [kv, T, hd]
-    v = g.op("Transpose", g.op("Reshape", v, g.ints(-1, s.kv_heads, s.head_dim)),
-             perm=[1, 0, 2], out=f"new_v_{i}")
+    qkv = g.op("Unsqueeze", _linear(g, h, prefix + "qkv", [w.blocks[n] for n in names]),
+               g.ints(0))  # [1, T, q + k + v widths]
+    q, k, v = g.ops("Split", [qkv, g.ints(s.heads * s.head_dim, kv_width, kv_width)], 3, axis=-1)
+    q, k = _rotate(g, q, s.heads), _rotate(g, k, s.kv_heads)
+    k = g.op("Transpose", g.op("Reshape", k, g.ints(-1, s.kv_heads, s.head_dim)),
+             perm=[1, 0, 2], out=f"new_k_{i}")  # [kv, T, hd]
+    v = g.op("Transpose", g.op("Reshape", g.op("Cast", v, to=TensorProto.DOUBLE),
+                               g.ints(-1, s.kv_heads, s.head_dim)),
+             perm=[1, 0, 2], out=f"new_v_{i}")  # [kv, T, hd], in double: see _attend
     q = g.op("Transpose", g.op("Reshape", q, g.ints(-1, s.kv_heads, s.groups, s.head_dim)),
              perm=[1, 2, 0, 3])  # [kv, groups, T, hd]
     if sessions == 1:
@@ -189,13 +191,18 @@ def _layer(g: _Graph, s: LlamaShape, w: LlamaWeights, x: str, i: int, cos: str, 
     return g.op("Add", x, _linear(g, act, down, [w.blocks[down]]), out=f"hidden_{i}")
 
 
-def _rope_tables(g: _Graph, w: LlamaWeights) -> tuple[str, str]:
-    """cos and sin [T, 1, head_dim] at `positions`, as transformers' rotary embedding."""
+def _rope_tables(g: _Graph, w: LlamaWeights) -> None:
+    """`cos` and `sin` [T, head_dim / 2] at `positions`, as transformers' rotary embedding, and
+    the row of each token in them (`rope_positions` [1, T])."""
     position = g.op("Unsqueeze", g.op("Cast", "positions", to=TensorProto.FLOAT), g.ints(1))
-    freqs = g.op("Mul", position, g.const(w.inv_freq.astype(np.float32), "inv_freq"))
-    angles = g.op("Unsqueeze", g.op("Concat", freqs, freqs, axis=-1), g.ints(1))
+    angles = g.op("Mul", position, g.const(w.inv_freq.astype(np.float32), "inv_freq"))
     scaling = g.const(np.array(w.rope_scaling, np.float32))
-    return (g.op("Mul", g.op("Cos", angles), scaling), g.op("Mul", g.op("Sin", angles), scaling))
+    g.op("Mul", g.op("Cos", angles), scaling, out="cos")
+    g.op("Mul", g.op("Sin", angles), scaling, out="sin")
+    tokens = g.op("Shape", "positions")
+    g.op("Unsqueeze", g.op("Range", g.const(np.array(0, np.int64)),
+                           g.op("Squeeze", tokens, g.ints(0)), g.const(np.array(1, np.int64))),
+         g.ints(0), out="rope_positions")
 
 
 def build(s: LlamaShape, w: LlamaWeights, sessions: int,
@@ -203,10 +210,10 @@ def build(s: LlamaShape, w: LlamaWeights, sessions: int,
     """The forward of `sessions` sessions' new tokens in one graph; `consts`: the weights
     converted by an earlier build, filled in by this one."""
     g = _Graph(consts)
-    cos, sin = _rope_tables(g, w)
+    _rope_tables(g, w)
     x = "embeds"
     for i in range(s.layers):
-        x = _layer(g, s, w, x, i, cos, sin, sessions)
+        x = _layer(g, s, w, x, i, sessions)
     final = _rms_norm(g, x, w.norms["model.norm"], s.eps)
     rows = g.op("Gather", final, "keep", axis=0)
     g.op("Identity", _linear(g, rows, "lm_head", [w.blocks["lm_head"]]), out="logits")
@@ -223,11 +230,12 @@ def _model(g: _Graph, s: LlamaShape, sessions: int) -> onnx.ModelProto:
     for b in range(sessions):
         inputs += [helper.make_tensor_value_info(f"mask_{b}", f, [f"gt_{b}", f"S_{b}"]),
                    helper.make_tensor_value_info(f"parts_{b}", i64, [2])]
-        inputs += [helper.make_tensor_value_info(f"past_{kv}_{i}_{b}", f,
+        inputs += [helper.make_tensor_value_info(f"past_{kv}_{i}_{b}", KV_TYPES[kv],
                                                  [s.kv_heads, f"room_{b}", s.head_dim])
                    for i in range(s.layers) for kv in "kv"]
     outputs = [helper.make_tensor_value_info("logits", f, ["R", s.vocab])]
-    outputs += [helper.make_tensor_value_info(f"new_{kv}_{i}", f, [s.kv_heads, "T", s.head_dim])
+    outputs += [helper.make_tensor_value_info(f"new_{kv}_{i}", KV_TYPES[kv],
+                                              [s.kv_heads, "T", s.head_dim])
                 for i in range(s.layers) for kv in "kv"]
     outputs += [helper.make_tensor_value_info(f"hidden_{i}", f, ["T", s.width])
                 for i in range(s.layers)]

@@ -118,7 +118,8 @@ class TargetModel:
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         element = next(self.model.parameters()).element_size()
-        return c.num_hidden_layers * 2 * heads * head_dim * element
+        pair = 4 + 8 if self.engine is not None else 2 * element  # the engine's values: double
+        return c.num_hidden_layers * heads * head_dim * pair
 
     @property
     def max_context(self) -> int:

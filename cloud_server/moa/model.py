@@ -269,7 +269,7 @@ def layer_kv_from_cache(cache, layers: tuple[int, ...], start: int, end: int) ->
 def _layer_kv(keys: torch.Tensor, values: torch.Tensor, start: int, end: int) -> torch.Tensor:
     """keys, values: [batch, kv_heads, seq, hd] -> [batch, end - start, 2 * kv_heads * hd]"""
     k = keys[:, :, start:end].transpose(1, 2).flatten(-2)  # [batch, n, kv_heads * hd]
-    v = values[:, :, start:end].transpose(1, 2).flatten(-2)  # [batch, n, kv_heads * hd]
+    v = values[:, :, start:end].transpose(1, 2).flatten(-2).to(k.dtype)  # the 4-bit engine's: double
     return torch.cat((k, v), dim=-1)
 
 
