@@ -4,6 +4,8 @@ equals the engine's own plain greedy output on the real model."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -99,6 +101,12 @@ def test_a_model_the_engine_cannot_run_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="--weights q4 cannot run this model: .*biases"):
         TargetModel.load(str(tmp_path), "biased", "cpu", weights="q4")
     assert TargetModel.load(str(tmp_path), "biased", "cpu", weights="auto").engine is None
+    proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--model", str(tmp_path),
+                           "--weights", "q4", "--drafter-dir", "none", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        "cloud-server: error: --weights q4 cannot run this model")
 
 
 @pytest.mark.slow
