@@ -138,3 +138,23 @@ def grouped_bars(path: Path, groups: Sequence[str], series: dict[str, list[float
     ax.legend(fontsize=8, bbox_to_anchor=(1.01, 1), loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def stacked_bars(path: Path, labels: Sequence[str], parts: dict[str, list[float]], ylabel: str,
+                 title: str) -> None:
+    """A PNG with one bar per label, stacked from `parts` (name -> one value per label)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(labels)), 4.5))
+    bottom = [0.0] * len(labels)
+    for part, values in parts.items():
+        ax.bar(labels, values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
-                               markdown_table, parse_cores, placement, write_results)
+                               markdown_table, parse_cores, placement, stacked_bars,
+                               write_results)
 from benchmarks.latency import SPLIT_PACES, method_clients, run_method
 from benchmarks.reliability import server_metrics
 from benchmarks.server_cpu import PARTS, SETTLE_S, server_pid
@@ -257,23 +258,10 @@ def render(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(rows)), 4.5))
-    labels = [f"{r['method']}\n{r['sessions']} sess." for r in rows]
-    bottom = [0.0] * len(rows)
-    for part in STACK:
-        values = [r[part] for r in rows]
-        ax.bar(labels, values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("server ms per session-forward")
-    ax.set_title("Host time per session-forward, stand-in target (negligible math)")
-    ax.tick_params(axis="x", labelsize=8)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    stacked_bars(path, [f"{r['method']}\n{r['sessions']} sess." for r in rows],
+                 {part: [r[part] for r in rows] for part in STACK},
+                 "server ms per session-forward",
+                 "Host time per session-forward, stand-in target (negligible math)")
 
 
 async def run_all(address: str, pid: int, metrics_port: int, args: argparse.Namespace

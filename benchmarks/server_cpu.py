@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
-                               markdown_table, parse_cores, placement, write_results)
+                               markdown_table, parse_cores, placement, stacked_bars,
+                               write_results)
 from benchmarks.latency import SPLIT_PACES, generations, run_method
 from cloud_server.model_thread import MODEL_THREAD_NAME
 from shared import prompt_sets as prompts
@@ -134,22 +135,9 @@ def render(table: list[dict], baseline: str) -> str:
 
 
 def plot(table: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    labels = [f"{r['profile']}\n{r['method']}" for r in table]
-    bottom = [0.0] * len(table)
-    for part in PARTS:
-        values = [r[part] for r in table]
-        ax.bar(labels, values, bottom=bottom, label=part)
-        bottom = [b + v for b, v in zip(bottom, values)]
-    ax.set_ylabel("server CPU ms per generated token")
-    ax.set_title("Where the server's CPU goes, by thread")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    stacked_bars(path, [f"{r['profile']}\n{r['method']}" for r in table],
+                 {part: [r[part] for r in table] for part in PARTS},
+                 "server CPU ms per generated token", "Where the server's CPU goes, by thread")
 
 
 def main(argv: list[str] | None = None) -> int:
