@@ -46,8 +46,7 @@ from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machin
                                write_results)
 from benchmarks.latency import SPLIT_PACES, method_clients, run_method
 from benchmarks.reliability import server_metrics
-from benchmarks.server_cpu import PARTS, SETTLE_S, server_pid
-from cloud_server.model_thread import MODEL_THREAD_NAME
+from benchmarks.server_cpu import PARTS, SETTLE_S, server_pid, thread_times
 from edge_client.client import EdgeClient
 from shared import prompt_sets as prompts
 from shared.cache import cache_root
@@ -154,24 +153,6 @@ def requests(count: int, max_new_tokens: int) -> list[OpenRequest]:
     items = [s[i] for i in range(per_set) for s in sets if i < len(s)]
     return [OpenRequest(chat=(ChatMessage("user", item["prompt"]),),
                         max_new_tokens=max_new_tokens) for item in items[:count]]
-
-
-def thread_times(pid: int) -> tuple[dict[str, float], dict[str, float]]:
-    """Seconds so far by part of the process (PARTS): on a CPU, and runnable but waiting for
-    one (/proc/PID/task/TID/schedstat: both in ns), as benchmarks/server_cpu.py reads them."""
-    cpu = dict.fromkeys(PARTS, 0.0)
-    wait = dict.fromkeys(PARTS, 0.0)
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            ran, waited = (int(f) for f in (task / "schedstat").read_text().split()[:2])
-            name = (task / "comm").read_text().strip()
-        except OSError:  # the thread ended between listing and reading
-            continue
-        part = (PARTS[0] if name == MODEL_THREAD_NAME
-                else PARTS[1] if task.name == str(pid) else PARTS[2])
-        cpu[part] += ran / 1e9
-        wait[part] += waited / 1e9
-    return cpu, wait
 
 
 def read_before(pid: int, metrics_port: int) -> Reading:

@@ -80,17 +80,25 @@ def server_pid() -> int:
 
 def thread_cpu(pid: int) -> Counter:
     """CPU seconds so far of each part of the process (PARTS)."""
-    spent: Counter = Counter()
+    return Counter(thread_times(pid)[0])
+
+
+def thread_times(pid: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds so far by part of the process (PARTS): on a CPU, and runnable but waiting for
+    one (/proc/PID/task/TID/schedstat: both in ns)."""
+    cpu = dict.fromkeys(PARTS, 0.0)
+    wait = dict.fromkeys(PARTS, 0.0)
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            ns = int((task / "schedstat").read_text().split()[0])
+            ran, waited = (int(f) for f in (task / "schedstat").read_text().split()[:2])
             name = (task / "comm").read_text().strip()
         except OSError:  # the thread ended between listing and reading
             continue
         part = (PARTS[0] if name == MODEL_THREAD_NAME
                 else PARTS[1] if task.name == str(pid) else PARTS[2])
-        spent[part] += ns / 1e9
-    return spent
+        cpu[part] += ran / 1e9
+        wait[part] += waited / 1e9
+    return cpu, wait
 
 
 async def run_profile(address: str, pid: int, profile: str, items: list[dict],
