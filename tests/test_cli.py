@@ -86,11 +86,15 @@ def test_health_command_answers_for_a_serving_server(tiny_server):
     assert unknown.returncode == 1 and "not_found" in unknown.stderr
 
 
+# "What is the capital of France?" opens with a near-tie for the model itself (top-2 gap 0.08 in
+# fp32), which the 4-bit engine resolves the other way ("L'Étoile, ..."): a prompt it is sure of.
+QUESTION = "Name the capital city of France."
+
+
 @pytest.mark.slow
 def test_ask_and_batch_against_real_server(tmp_path):
     with running_server() as address:
-        proc = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
-                                      "What is the capital of France?"],
+        proc = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12", QUESTION],
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "Paris" in proc.stdout
@@ -98,7 +102,7 @@ def test_ask_and_batch_against_real_server(tmp_path):
         # The committed MoA drafter: bundle fetched from the server, paced (auto) with the
         # prompt's activation rows trailing the first Verdict; greedy, so the same answer.
         moa = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
-                                     "--drafter", "moa", "What is the capital of France?"],
+                                     "--drafter", "moa", QUESTION],
                              capture_output=True, text=True, timeout=300,
                              env={**os.environ, "SPLITDEC_CACHE": str(tmp_path / "edge-cache")})
         assert moa.returncode == 0, moa.stderr
@@ -109,8 +113,7 @@ def test_ask_and_batch_against_real_server(tmp_path):
                       ["--mode", "server-spec", "--server-drafter", "recycle"],
                       ["--pace", "lockstep"], ["--pace", "server", "--drafter", "pld"]):
             other = subprocess.run(EDGE + ["--server", address, "--max-new-tokens", "12",
-                                           "--network", "lan", *flags,
-                                           "What is the capital of France?"],
+                                           "--network", "lan", *flags, QUESTION],
                                    capture_output=True, text=True, timeout=300,
                                    env={**os.environ, "SPLITDEC_CACHE": str(tmp_path / "edge")})
             assert other.returncode == 0, (flags, other.stderr)
