@@ -10,10 +10,14 @@ or, for a checkpoint with no GGUF, from rounding its fp32 weights to 4 bits (`qu
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+from shared.cache import cache_root
 
 BLOCK = 32
 Q4_1_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
@@ -104,18 +108,14 @@ GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
 def from_gguf(path: Path, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeight]:
     """A Llama GGUF's Q4_1 and Q8_0 layers under transformers' names (`model.layers.0.mlp.
     up_proj`, `lm_head`), with q/k rows in the checkpoint's order."""
-    from gguf import GGMLQuantizationType, GGUFReader
-
-    readers = {GGMLQuantizationType.Q4_1: _q4_1, GGMLQuantizationType.Q8_0: _q8_0}
+    readers = {Q4_1: _q4_1, Q8_0: _q8_0}
     weights: dict[str, BlockWeight] = {}
-    for tensor in GGUFReader(path).tensors:
-        name = _hf_name(tensor.name)
-        if name is None:
-            continue
-        if tensor.tensor_type not in readers:
-            raise ValueError(f"{path.name}: {tensor.name} is {tensor.tensor_type.name}; the 4-bit "
-                             "engine reads Q4_1 and Q8_0 layers")
-        weight = readers[tensor.tensor_type](np.asarray(tensor.data))
+    for gguf_name, (kind, data) in _layer_tensors(path).items():
+        name = _hf_name(gguf_name) or gguf_name
+        if kind not in readers:
+            raise ValueError(f"{path.name}: {gguf_name} is GGML type {kind}; the 4-bit engine "
+                             "reads Q4_1 and Q8_0 layers")
+        weight = readers[kind](data)
         if name.endswith(("q_proj", "k_proj")):
             heads = n_heads if name.endswith("q_proj") else n_kv_heads
             weight = weight.rows(_unpermute(heads, weight.shape[0]))
@@ -123,6 +123,30 @@ def from_gguf(path: Path, n_heads: int, n_kv_heads: int) -> dict[str, BlockWeigh
     if "lm_head" not in weights and "model.embed_tokens" in weights:
         weights["lm_head"] = weights["model.embed_tokens"]  # tied head
     return weights
+
+
+Q4_1, Q8_0 = 3, 8  # GGML type numbers (gguf.GGMLQuantizationType)
+
+
+def _layer_tensors(path: Path) -> dict[str, tuple[int, np.ndarray]]:
+    """The GGUF's linear layers as raw blocks (GGML type, bytes [rows, row bytes]), kept once
+    under the cache directory: the GGUF reader parses the whole vocabulary first (~5 s)."""
+    stat = path.stat()
+    kept = cache_root() / "models" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}.layers.npz"
+    if not kept.is_file():
+        from gguf import GGUFReader
+
+        arrays: dict[str, Any] = {}
+        for tensor in GGUFReader(path).tensors:
+            if _hf_name(tensor.name) is not None:
+                arrays[f"{int(tensor.tensor_type)}:{tensor.name}"] = np.asarray(tensor.data)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        staging = kept.with_suffix(f".{os.getpid()}.npz")
+        np.savez(staging, **arrays)
+        staging.replace(kept)
+    with np.load(kept) as stored:
+        return {key.split(":", 1)[1]: (int(key.split(":", 1)[0]), stored[key])
+                for key in stored.files}
 
 
 def _hf_name(gguf_name: str) -> str | None:

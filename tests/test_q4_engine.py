@@ -110,19 +110,24 @@ def test_a_model_the_engine_cannot_run_is_refused_by_name(tmp_path):
 
 
 @pytest.mark.slow
-def test_gguf_blocks_are_the_checkpoints_weights():
+def test_gguf_blocks_are_the_checkpoints_weights(tmp_path, monkeypatch):
     """Read from the GGUF as shipped (q/k rows back in the checkpoint's order), the blocks equal
-    the fp32 checkpoint transformers dequantized from the same file."""
+    the fp32 checkpoint transformers dequantized from the same file; read again, from the
+    layers kept under the cache directory, they are the same."""
     from safetensors.torch import load_file
 
     from cloud_server import model_store
 
     checkpoint = model_store.default_checkpoint()
     state = {k: v for f in checkpoint.glob("*.safetensors") for k, v in load_file(f).items()}
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     blocks = from_gguf(model_store.gguf_path(), 9, 3)
+    assert len(list((tmp_path / "models").glob("*.layers.npz"))) == 1
+    again = from_gguf(model_store.gguf_path(), 9, 3)
     for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj",
                  "model.layers.29.mlp.down_proj"):
         assert np.array_equal(blocks[name].dense(), state[name + ".weight"].numpy()), name
+        assert np.array_equal(again[name].codes, blocks[name].codes), name
     assert blocks["lm_head"].bits == 8
     assert np.array_equal(blocks["lm_head"].dense(), state["model.embed_tokens.weight"].numpy())
 
