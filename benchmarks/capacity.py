@@ -29,11 +29,10 @@ from typing import Iterator
 
 import numpy as np
 
-from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
+from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, parse_cores, placement, python_module)
 from benchmarks.reliability import log, prompt_items, server_metrics
 from cloud_server.device import Device, Precision, Weights
-from tests.cli_harness import free_port
 
 METHODS = ("split", "server-spec", "plain-api")
 SERVERS = {"batched": (), "unbatched": ("--batch-tokens", "0")}

@@ -33,7 +33,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
+from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, parse_cores, placement, stacked_bars,
                                write_results)
 from benchmarks.latency import SPLIT_PACES, method_clients, run_method
@@ -138,12 +137,6 @@ def build_standin(target: Path) -> None:
         staging.rename(target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def requests(count: int, max_new_tokens: int) -> list[OpenRequest]:

@@ -23,7 +23,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -34,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-from benchmarks.common import (RESULTS, add_placement_args, cloud_server, grouped_bars,
+from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_server, grouped_bars,
                                machine, markdown_table, netsim_proxy, parse_cores, placement,
                                write_results)
 from benchmarks.latency import method_clients, rotated, run_method
@@ -150,12 +149,6 @@ def llama_methods(bin_dir: Path, spec: str) -> list[tuple[str, list[str]]]:
         log(f"llama-server does not know {' '.join(unknown)}: no llama-server-ngram runs")
         return [(LLAMA_PLAIN, [])]
     return [(LLAMA_PLAIN, []), (LLAMA_NGRAM, flags)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

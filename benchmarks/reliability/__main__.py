@@ -8,10 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.common import RESULTS, cloud_server, machine, markdown_table
+from benchmarks.common import free_port, RESULTS, cloud_server, machine, markdown_table
 from benchmarks.reliability import log, server_metrics
 from benchmarks.reliability import fuzz, restarts, soak, storms
-from tests.cli_harness import free_port
 
 PARTS = ("fuzz", "storms", "restarts", "soak")
 IDLE_TIMEOUT_S = 10
