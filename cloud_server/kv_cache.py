@@ -4,8 +4,8 @@ transformers' DynamicLayer appends a forward's keys and values by concatenation,
 the layer's whole cache: every forward copied all of a session's K/V (2.4 ms a forward at 300
 cached positions of SmolLM2 on one core of this CPU, 8 ms at 1,200), and a batched forward paid
 it once per session. ReservedLayer keeps each layer's keys and values in a buffer with room for
-RESERVE more positions and writes the new ones into it; the cache it hands attention is a view
-of the buffer's first positions, so attention reads exactly the values it read before. The
+more positions (`room_for`) and writes the new ones into it; the cache it hands attention is a
+view of the buffer's first positions, so attention reads exactly the values it read before. The
 buffer grows (one copy) only when it is full, and never past the session's most positions
 (`Session.most_positions`, what admission counts) unless the cache does.
 
@@ -24,7 +24,14 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-RESERVE = 256  # positions of room a buffer gets when it grows: a prompt chunk, or many forwards
+MIN_RESERVE = 32  # positions of room a buffer gets at least when it grows: several forwards
+
+
+def room_for(end: int) -> int:
+    """A grown buffer's positions for `end` cached: room in proportion, so the copies stay
+    rare (amortized a few positions an append) while the 4-bit engine, whose attention runs
+    over the whole buffer (onnx_engine.py), wastes at most an eighth of it."""
+    return end + max(MIN_RESERVE, end // 8)
 
 
 class ReservedLayer(DynamicLayer):
@@ -64,7 +71,7 @@ class ReservedLayer(DynamicLayer):
             for state, buffer in zip((self.keys, self.values), self._buffers))
 
     def _grow(self, end: int, length: int, *new: torch.Tensor) -> None:
-        room = end + RESERVE
+        room = room_for(end)
         if self.most_positions is not None:
             room = max(end, min(room, self.most_positions))
         old = (self.keys, self.values)

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from cloud_server.kv_cache import RESERVE, ReservedLayer, reserved_cache
+from cloud_server.kv_cache import ReservedLayer, reserved_cache, room_for
 from cloud_server.target import keep_path
 from tests.device_under_test import DEVICE
 
@@ -44,7 +44,7 @@ def assert_same(plain: DynamicCache, reserved: DynamicCache) -> None:
 
 def test_appends_compactions_and_growth_hold_what_concatenation_holds():
     plain, reserved = both()
-    append((plain, reserved), 300, seed=0)  # a prompt: past RESERVE's room at once
+    append((plain, reserved), 300, seed=0)  # a prompt: past a new buffer's room at once
     for step in range(40):
         base = plain.get_seq_length()
         append((plain, reserved), 9, seed=10 + step)  # pending token + an 8-node tree
@@ -67,7 +67,7 @@ def test_an_append_with_room_copies_nothing_and_a_full_buffer_grows_once():
     append((reserved,), 10, seed=0)
     layer = reserved.layers[0]
     start = layer.keys.data_ptr()
-    for step in range(RESERVE):  # the room a buffer gets when it grows
+    for step in range(room_for(10) - 10):  # the room the buffer got
         append((reserved,), 1, seed=step)
         assert layer.keys.data_ptr() == start
     append((reserved,), 1, seed=99)
