@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -41,6 +42,7 @@ class ReservedLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.most_positions = most_positions
         self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._arrays: tuple[np.ndarray, np.ndarray] | None = None  # numpy views, on the CPU
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,6 +58,20 @@ class ReservedLayer(DynamicLayer):
         values[..., length:end, :] = value_states
         self.keys, self.values = keys[..., :end, :], values[..., :end, :]
         return self.keys, self.values
+
+    def append(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """update() for arrays [kv_heads, n, head_dim] (the 4-bit engine's outputs), written
+        through numpy views of the buffers: the engine appends to every layer each forward,
+        and numpy's writes cost a fraction of torch's indexing."""
+        length = self.get_seq_length() if self.is_initialized else 0
+        end = length + keys.shape[1]
+        if self._arrays is None or not self._holds(end):
+            self.update(torch.from_numpy(keys)[None], torch.from_numpy(values)[None])
+            return
+        self._arrays[0][:, length:end] = keys
+        self._arrays[1][:, length:end] = values
+        assert self._buffers is not None
+        self.keys, self.values = (buffer[..., :end, :] for buffer in self._buffers)
 
     def storage(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The buffers [batch, kv_heads, room, head_dim] under the keys and values, when they
@@ -83,6 +99,8 @@ class ReservedLayer(DynamicLayer):
                 buffer[..., :length, :] = states[..., :length, :]
             buffers.append(buffer)
         self._buffers = (buffers[0], buffers[1])
+        on_cpu = buffers[0].device.type == "cpu" and buffers[0].shape[0] == 1
+        self._arrays = (buffers[0][0].numpy(), buffers[1][0].numpy()) if on_cpu else None
 
 
 def reserved_cache(config: Any, most_positions: int | None = None) -> DynamicCache:

@@ -137,11 +137,11 @@ class OnnxEngine:
         for b, job in enumerate(jobs):
             job.logits = logits[b]
             job.hidden = hidden[b] if hidden is not None and job.capture else None
+        spans = list(zip(offsets[:-1], offsets[1:]))
         for i in range(s.layers):
-            keys = torch.from_numpy(out[f"new_k_{i}"][:, : offsets[-1]]).split(lengths, dim=1)
-            values = torch.from_numpy(out[f"new_v_{i}"][:, : offsets[-1]]).split(lengths, dim=1)
-            for job, k, v in zip(jobs, keys, values):
-                job.cache.update(k[None], v[None], i)
+            keys, values = out[f"new_k_{i}"], out[f"new_v_{i}"]
+            for job, (start, end) in zip(jobs, spans):
+                _append(job.cache, i, keys[:, start:end], values[:, start:end])
 
     def _session_inputs(self, job: Any, b: int, twin: bool) -> dict[str, np.ndarray]:
         """Session b's mask [groups * new, room + new], its split of the scores, and its
@@ -161,6 +161,15 @@ class OnnxEngine:
         for i, (keys, values) in enumerate(pasts):
             feed[f"past_k_{i}_{b}"], feed[f"past_v_{i}_{b}"] = keys, values
         return feed
+
+
+def _append(cache: DynamicCache, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+    """Appends a layer's new keys and values [kv_heads, n, head_dim] to a session's cache."""
+    entry = cache.layers[layer]
+    if isinstance(entry, ReservedLayer):
+        entry.append(keys, values)
+    else:
+        cache.update(torch.from_numpy(keys)[None], torch.from_numpy(values)[None], layer)
 
 
 def _buffers(cache: DynamicCache, layer: int, s: onnx_llama.LlamaShape
