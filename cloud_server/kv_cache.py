@@ -73,10 +73,12 @@ class ReservedLayer(DynamicLayer):
         assert self._buffers is not None
         self.keys, self.values = (buffer[..., :end, :] for buffer in self._buffers)
 
-    def storage(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The buffers [batch, kv_heads, room, head_dim] under the keys and values, when they
-        still are; positions past the cached ones hold zeros or stale finite values."""
-        return self._buffers if self._holds(self.get_seq_length()) else None
+    def arrays(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Numpy views of the buffers [kv_heads, room, head_dim] under the keys and values,
+        on the CPU and while they still are; positions past the cached ones hold zeros or stale
+        finite values."""
+        return self._arrays if self._arrays is not None and self._holds(
+            self.get_seq_length()) else None
 
     def _holds(self, end: int) -> bool:
         """The buffers are still under the layer's keys and values, with room for `end`."""

@@ -177,9 +177,9 @@ def _buffers(cache: DynamicCache, layer: int, s: onnx_llama.LlamaShape
     """A layer's keys (fp32) and values (double) [kv_heads, room, head_dim], without copying
     where it can."""
     entry = cache.layers[layer]
-    stored = entry.storage() if isinstance(entry, ReservedLayer) else None
+    stored = entry.arrays() if isinstance(entry, ReservedLayer) else None
     if stored is not None:
-        return stored[0][0].numpy(), stored[1][0].numpy()
+        return stored
     keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
     if keys is None or values is None or not cache.get_seq_length(layer):
         return (np.zeros((s.kv_heads, 0, s.head_dim), dtype=np.float32),
