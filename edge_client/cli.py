@@ -26,6 +26,7 @@ from edge_client.client import DEFAULT_DRAFTER, DEFAULT_PACE, ClientOptions, Edg
 from edge_client.display import TerminalView
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkConfig, LinkError
+from edge_client.openai_compat.admission import PER_CORE, QUEUE_PER_SLOT
 from edge_client.security import ClientSecurity
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.server_only import SERVER_DRAFTER, Mode
@@ -137,6 +138,13 @@ def positive(text: str) -> int:
     return value
 
 
+def non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def network_conditions(text: str) -> NetworkConditions:
     try:
         return parse_conditions(text)
@@ -185,6 +193,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         add_common(p)
         p.add_argument("--host", default="127.0.0.1", help="address to listen on")
         p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+        p.add_argument("--max-concurrent", type=positive, default=None, metavar="N",
+                       help="requests answered at once, each with a drafter of its own over "
+                            f"the one link (default: {PER_CORE} per core, at most the server's "
+                            "session limit)")
+        p.add_argument("--max-queue", type=non_negative, default=None, metavar="N",
+                       help="requests waiting for a turn past those; one more is refused with "
+                            f"429 and Retry-After (default: {QUEUE_PER_SLOT} per "
+                            "--max-concurrent)")
         args = p.parse_args(argv[1:])
         args.command = "serve"
         return args
@@ -240,9 +256,10 @@ async def batch(args: argparse.Namespace, options: ClientOptions, address: str) 
 
 
 async def serve(args: argparse.Namespace, options: ClientOptions, address: str) -> int:
-    from edge_client.openai_compat.serving import serve as serve_http
+    from edge_client.openai_compat.serving import Capacity, serve as serve_http
 
-    await serve_http(address, options, args.host, args.port, link_config(args))
+    await serve_http(address, options, args.host, args.port, link_config(args),
+                     Capacity(args.max_concurrent, args.max_queue))
     return 0
 
 

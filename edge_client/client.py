@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Sequence
 
@@ -75,8 +76,13 @@ class ClientOptions:
 
 
 class EdgeClient:
-    def __init__(self, address: str, options: ClientOptions, config: LinkConfig = LinkConfig()):
+    def __init__(self, address: str, options: ClientOptions, config: LinkConfig = LinkConfig(),
+                 drafting: Executor | None = None):
+        """`drafting`: the threads split generations draft on, so that generations at once
+        over this one link each draft on a thread of their own while the event loop streams
+        the others' tokens (`edge-client serve`); None: on the event loop."""
         self.options = options
+        self.drafting = drafting
         self.link = ServerLink(address, config)
         self._info: ServerInfo | None = None
         self._tokenizer: Tokenizer | None = None
@@ -131,10 +137,10 @@ class EdgeClient:
             request = replace(request, activations=self.options.activation_format,
                               trailing_rows=True, acks_rows=True)
         spacing = copy.copy(self._spacing)  # generations at once each keep their own
-        async with self._drafters.checkout() as drafter:
+        with self._drafters.checkout() as drafter:
             result = await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,
-                self.info.limits, self.options.draft_ahead, spacing)
+                self.info.limits, self.options.draft_ahead, spacing, self.drafting)
         self._spacing = spacing.carried(result.link_outpaced, result.rtt_s)
         return result
 

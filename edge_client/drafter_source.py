@@ -5,11 +5,10 @@ Once cached, the bundle needs no server: the drafter keeps drafting offline with
 """
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import sys
 from pathlib import Path
-from typing import AsyncIterator, Callable
+from typing import Callable, Iterator
 
 from shared.drafting import DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName
@@ -57,26 +56,27 @@ def sampling_acceptance(name: DrafterName) -> AcceptanceMode:
 
 
 class DrafterPool:
-    """Lends a drafter to each generation. Training-free drafters are cheap and made fresh each
-    time; a trained drafter (ONNX sessions, slow to build) is built once and lent to one
-    generation at a time."""
+    """Lends a drafter to each generation, as many at once as there are generations."""
 
-    def __init__(self, make: Callable[[], Drafter], shared: bool):
+    def __init__(self, make: Callable[[], Drafter], kept: Drafter | None = None):
+        """Without `kept`, each generation gets a fresh drafter from `make` (training-free
+        ones are cheap). `kept`: a drafter slow to build (a trained one's ONNX sessions),
+        lent out and kept when it comes back; a generation beside another gets one from
+        `make` (its sibling over the same sessions), also kept, so the pool holds as many as
+        were ever in flight at once."""
         self._make = make
-        self._shared = make() if shared else None
-        self._lock = asyncio.Lock()
+        self._keeps = kept is not None
+        self._idle: list[Drafter] = [] if kept is None else [kept]
+        self.needs_activations = kept is not None and kept.needs_activations
 
-    @property
-    def needs_activations(self) -> bool:
-        return self._shared is not None and self._shared.needs_activations
-
-    @contextlib.asynccontextmanager
-    async def checkout(self) -> AsyncIterator[Drafter]:
-        if self._shared is None:
-            yield self._make()
-            return
-        async with self._lock:
-            yield self._shared
+    @contextlib.contextmanager
+    def checkout(self) -> Iterator[Drafter]:
+        drafter = self._idle.pop() if self._idle else self._make()
+        try:
+            yield drafter
+        finally:
+            if self._keeps:
+                self._idle.append(drafter)
 
 
 async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo,
@@ -84,12 +84,11 @@ async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo,
     """`draft_graphs`: a trained drafter merges repeated tokens into draft graphs (GSD);
     `race_aware`: under exponential-race it ranks children by the session's race (ERSD)."""
     if name not in TRAINED:
-        return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth),
-                           shared=False)
+        return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth))
     bundle_dir = await _trained_bundle(name, link, info)
     kind = TRAINED[name][1]
-    return DrafterPool(lambda: kind(bundle_dir, merge=draft_graphs, race_aware=race_aware),
-                       shared=True)
+    first = kind(bundle_dir, merge=draft_graphs, race_aware=race_aware)
+    return DrafterPool(first.sibling, kept=first)
 
 
 async def _trained_bundle(name: DrafterName, link: ServerLink, info: ServerInfo) -> Path:

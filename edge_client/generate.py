@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field, replace
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence, TypeVar
 
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
@@ -30,6 +31,10 @@ from shared.messages import (
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
+
+T = TypeVar("T")
+# How long a generation its caller gave up on waits for the server to end the session
+CLOSE_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -156,10 +161,14 @@ class SplitGeneration:
     def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
                  budget: TreeBudget, listener: Listener | None = None,
                  policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                 ahead: int | None = 0, spacing: DraftSpacing | None = None):
+                 ahead: int | None = 0, spacing: DraftSpacing | None = None,
+                 drafting: Executor | None = None):
         """`spacing`: paced sessions, whether the edge rests from drafting; the client carries
-        it from one generation to the next on the same link (DraftSpacing.carried)."""
+        it from one generation to the next on the same link (DraftSpacing.carried).
+        `drafting`: where the drafter runs (None: on the event loop), so that generations
+        sharing a loop do not wait for each other's drafting."""
         self.link, self.drafter, self.request, self.budget = link, drafter, request, budget
+        self.drafting = drafting
         self.listener = listener or SilentListener()
         self.policy = policy
         self.limits = limits  # the server's: trees past them are refused
@@ -205,6 +214,9 @@ class SplitGeneration:
                 if self._session.pace is not Pace.LOCKSTEP:  # received all: free the session
                     await stream.send(CloseRequest())
                 await stream.finish()
+        except asyncio.CancelledError:
+            await _close_abandoned(stream)
+            raise
         finally:
             stream.cancel()
             self.result.bytes_up += stream.bytes_up
@@ -249,7 +261,7 @@ class SplitGeneration:
             self.result.ttft_s = time.perf_counter() - start
             self.result.rtt_s = max(0.0, time.perf_counter() - sent - server_s)
             self.result.pace = opened.pace
-        self._commit(verdict)
+        await self._commit(verdict)
 
     @property
     def _session(self) -> Opened:
@@ -273,13 +285,14 @@ class SplitGeneration:
         self._outage = None
 
     async def _round(self, stream: DecodeStream) -> None:
-        proposal, checking_offline = self._next_tree()
+        proposal, checking_offline = await self._next_tree()
         tree = proposal.tree
         sent = time.perf_counter()
         await stream.send(DraftRequest(self._next_round, len(self.context), tree, proposal.q))
         speculation = None
         if self.policy.pipeline and not checking_offline and not self._sampled_drafts:
-            speculation = Speculation.draft(self.drafter, self.context, tree, self.budget.nodes())
+            speculation = await self._off_loop(Speculation.draft, self.drafter, self.context,
+                                               tree, self.budget.nodes())
         verdict: Verdict = await _expect(stream, Verdict)
         if not checking_offline:
             self.budget.observe(len(tree), verdict.accepted_nodes,
@@ -288,7 +301,7 @@ class SplitGeneration:
         self.result.rounds += 1
         self.result.drafted_tokens += len(tree)
         self.result.accepted_tokens += len(verdict.accepted_nodes)
-        self._commit(verdict)
+        await self._commit(verdict)
         self._take_speculation(speculation, verdict)
 
     async def _follow(self, stream: DecodeStream) -> None:
@@ -300,7 +313,7 @@ class SplitGeneration:
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
             if isinstance(verdict, ActivationRows):  # rows that trail a Verdict (wire.trailing)
-                self._add_rows(verdict)
+                await self._add_rows(verdict)
                 # The server sends more as these are acknowledged; a resting edge wants none.
                 if self.request.acks_rows and not follower.spacing.resting:
                     await stream.send(follower.sent(self._acknowledgement()))
@@ -308,7 +321,7 @@ class SplitGeneration:
             self._learn(follower.verified(verdict, self.context), verdict)
             self.result.rounds += 1
             self.result.accepted_tokens += len(verdict.accepted_nodes)
-            self._commit(verdict)
+            await self._commit(verdict)
             if self.finish is FinishReason.NOT_FINISHED:
                 await self._answer(stream, follower, verdict.answer_awaited)
 
@@ -321,7 +334,7 @@ class SplitGeneration:
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
         due = follower.due(self.context, self.result.link_slow)
         if due and (self.offline or follower.spacing.chance()):
-            proposal, _ = self._next_tree(self.lag.ahead())
+            proposal, _ = await self._next_tree(self.lag.ahead())
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
         if not follower.needless(draft, self._session.lead, awaited):
@@ -349,7 +362,7 @@ class SplitGeneration:
     def _sampled_drafts(self) -> bool:
         return self._session.acceptance is AcceptanceMode.SAMPLED_DRAFTS
 
-    def _next_tree(self, ahead: int = 0) -> tuple[Proposal, bool]:
+    async def _next_tree(self, ahead: int = 0) -> tuple[Proposal, bool]:
         """The tree to send with the q its drafts were drawn from (acceptance sampled-drafts
         only), and whether it is offline text being checked. `ahead`: tokens the server will
         commit before it can use the tree (paced sessions; following.py)."""
@@ -359,7 +372,7 @@ class SplitGeneration:
         if ready is not None:
             return self._with_q(Proposal(ready)), False
         start = time.perf_counter()
-        proposal = self._draft(ahead)
+        proposal = await self._off_loop(self._draft, ahead)
         self.result.draft_s += time.perf_counter() - start
         if not len(proposal.tree):
             proposal = Proposal(fallback_tree(self.context))
@@ -390,12 +403,12 @@ class SplitGeneration:
             self.result.speculation_hits += 1
             self.result.hidden_draft_s += speculation.spent_s
 
-    def _commit(self, verdict: Verdict) -> None:
+    async def _commit(self, verdict: Verdict) -> None:
         if verdict.committed_length != len(self.context) + len(verdict.tokens):
             raise LinkError(f"protocol error: server holds {verdict.committed_length} tokens, "
                             f"the edge {len(self.context) + len(verdict.tokens)}")
         if verdict.activations is not None:
-            self._add_rows(verdict.activations)
+            await self._add_rows(verdict.activations)
         tokens = list(verdict.tokens)
         self.context.extend(tokens)
         self.result.output_ids.extend(tokens)
@@ -407,8 +420,8 @@ class SplitGeneration:
         if tokens:
             self.listener.committed(tokens)
 
-    def _add_rows(self, rows: ActivationRows) -> None:
-        self.drafter.add_activations(rows.start, rows.values)
+    async def _add_rows(self, rows: ActivationRows) -> None:
+        await self._off_loop(self.drafter.add_activations, rows.start, rows.values)
         self.rows_held = rows.start + len(rows.values)
 
     async def _ride_out(self, err: ServerUnreachable) -> bool:
@@ -422,7 +435,7 @@ class SplitGeneration:
             self.listener.link_event(f"link lost: {err}")
         elif now - self._down.since > self.policy.reconnect_timeout_s:
             return self._give_up(err)
-        self._draft_offline()
+        await self._draft_offline()
         await asyncio.sleep(self._down.backoff.next_wait_s())
         return True
 
@@ -435,7 +448,7 @@ class SplitGeneration:
             return False
         raise ServerUnreachable(f"{err}; gave up after {waited}") from None
 
-    def _draft_offline(self) -> None:
+    async def _draft_offline(self) -> None:
         if self.opened is None or self.policy.offline is OfflinePolicy.WAIT:
             return
         room = self.policy.offline_limit - len(self.offline)
@@ -445,19 +458,40 @@ class SplitGeneration:
         if room <= 0:
             return
         start = time.perf_counter()
-        new = draft_offline(self.drafter, [*self.context, *self.offline], room)
+        new = await self._off_loop(draft_offline, self.drafter, [*self.context, *self.offline],
+                                   room)
         self.result.draft_s += time.perf_counter() - start
         self.offline += new
         self.result.offline_tokens += len(new)
         if new:
             self.listener.unverified(new)
 
+    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
+        """Runs the drafter's work `fn(*args)` where `drafting` says: a generation's calls
+        stay in order, since each is awaited before the next."""
+        if self.drafting is None:
+            return fn(*args)
+        job = asyncio.get_running_loop().run_in_executor(self.drafting, fn, *args)
+        try:
+            return await asyncio.shield(job)
+        except asyncio.CancelledError:  # the drafter is not free for another until it ends
+            await asyncio.wait({job})
+            raise
+
+
+async def _close_abandoned(stream: DecodeStream) -> None:
+    """The caller gave up on the generation (an HTTP client hung up): closes the session, so
+    that the server frees it now. A stream that merely breaks keeps its session for a resume,
+    and a paced one goes on committing up to its lead; nobody will resume this one."""
+    with contextlib.suppress(LinkError, asyncio.TimeoutError):
+        await stream.close_early(CLOSE_TIMEOUT_S)
+
 
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
                          budget: TreeBudget, listener: Listener | None = None,
                          policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                         ahead: int | None = 0, spacing: DraftSpacing | None = None
-                         ) -> GenerationResult:
+                         ahead: int | None = 0, spacing: DraftSpacing | None = None,
+                         drafting: Executor | None = None) -> GenerationResult:
     """Runs one generation to its end (see SplitGeneration)."""
     return await SplitGeneration(link, drafter, request, budget, listener, policy, limits,
-                                 ahead, spacing).run()
+                                 ahead, spacing, drafting).run()

@@ -14,7 +14,7 @@ import grpc
 from edge_client.security import ClientSecurity
 from shared import keepalive, progress, wire
 from shared.messages import (
-    ClientMessage, GenerateRequest, ServerInfo, ServerMessage, Verdict,
+    ClientMessage, CloseRequest, GenerateRequest, ServerInfo, ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
@@ -183,13 +183,20 @@ class ServerLink:
 
 class DecodeStream:
     """One Decode call: send domain messages, receive domain messages, count wire bytes and the
-    messages sent."""
+    messages sent.
+
+    A caller cancelled while it sends or receives does not end the call (grpc.aio cancels the
+    whole call with a cancelled read or write): the read or write goes on, and the next send
+    or receive takes it up, so a caller that gives up on a generation can still close its
+    session (`close_early`). Only `cancel` ends the call."""
 
     def __init__(self, call, address: str, round_timeout_s: float, graphs: bool = False):
         self._call = call
         self._address = address
         self._round_timeout_s = round_timeout_s
         self._graphs = graphs
+        self._read: asyncio.Future | None = None  # a read no caller has taken yet
+        self._write: asyncio.Future | None = None  # a write that may not have ended yet
         self.bytes_up = 0
         self.bytes_down = 0
         self.messages_up = 0
@@ -202,7 +209,7 @@ class DecodeStream:
         self.messages_up += 1
         timeout_s = timeout_s or self._round_timeout_s
         try:
-            await asyncio.wait_for(self._call.write(raw), timeout_s)
+            await asyncio.wait_for(self._write_after_the_last(raw), timeout_s)
         except asyncio.TimeoutError:
             self._call.cancel()
             raise ServerUnreachable(f"could not send to the server at {self._address} within "
@@ -225,16 +232,27 @@ class DecodeStream:
                             f"with {type(msg).__name__}")
         return wire.join_parts([*parts, msg])
 
+    async def _write_after_the_last(self, raw: pb.ClientMessage) -> None:
+        if self._write is not None:
+            await asyncio.shield(self._write)
+        self._write = _unobserved(self._call.write(raw))
+        await asyncio.shield(self._write)
+        self._write = None
+
     async def _recv_one(self, timeout_s: float | None) -> ServerMessage:
         timeout_s = timeout_s or self._round_timeout_s
+        if self._read is None:
+            self._read = _unobserved(self._call.read())
         try:
-            raw = await asyncio.wait_for(self._call.read(), timeout_s)
+            raw = await asyncio.wait_for(asyncio.shield(self._read), timeout_s)
         except asyncio.TimeoutError:
-            self._call.cancel()
+            self.cancel()
             raise ServerUnreachable(f"the server at {self._address} did not answer within "
                                     f"{timeout_s:g} s") from None
         except grpc.aio.AioRpcError as err:
+            self._read = None
             raise link_error(err, self._address) from None
+        self._read = None
         if raw is grpc.aio.EOF:
             raise await self._ended()
         self.bytes_down += raw.ByteSize() + GRPC_FRAME_BYTES
@@ -262,5 +280,33 @@ class DecodeStream:
         await self._call.done_writing()
         await asyncio.wait_for(self._call.code(), self._round_timeout_s)
 
+    async def close_early(self, timeout_s: float) -> None:
+        """Ends a session before its Done: says Close, half-closes and reads what the server
+        still sends up to the end of the call, within `timeout_s`. The server then frees the
+        session; a call that merely breaks keeps it for a resume."""
+        async with asyncio.timeout(timeout_s):
+            await self.send(CloseRequest(), timeout_s)
+            await self._call.done_writing()
+            while True:
+                if self._read is None:
+                    self._read = _unobserved(self._call.read())
+                try:
+                    raw, self._read = await self._read, None
+                except grpc.aio.AioRpcError:  # the call ended: the session ends with it
+                    return
+                if raw is grpc.aio.EOF:
+                    return
+
     def cancel(self) -> None:
         self._call.cancel()
+        for pending in (self._read, self._write):
+            if pending is not None:
+                pending.cancel()
+
+
+def _unobserved(step) -> asyncio.Future:
+    """A read or write of the call as a task of its own, whose failure is retrieved even when
+    no caller is left to take it (the caller that took it up raises it)."""
+    task = asyncio.ensure_future(step)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+    return task

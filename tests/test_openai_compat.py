@@ -15,7 +15,7 @@ from edge_client.client import ClientOptions
 from edge_client.link import LinkConfig
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.openai_compat.requests import ApiError, Kind, parse_chat, parse_completion
-from edge_client.openai_compat.serving import running_endpoint
+from edge_client.openai_compat.serving import Capacity, running_endpoint
 from edge_client.openai_compat.stop_text import StopTrimmer
 from netsim import LinkProfile, NetworkConditions, ProxyThread
 from shared.messages import ChatMessage, Pace
@@ -99,10 +99,12 @@ OPTIONS = ClientOptions("pld", 1, 48, link_policy=LinkPolicy(reconnect_timeout_s
 LINK = LinkConfig(connect_timeout_s=3.0, resume_timeout_s=1.5, round_timeout_s=10.0)
 
 
-def serve_and(address: str, scenario, options: ClientOptions = OPTIONS):
+def serve_and(address: str, scenario, options: ClientOptions = OPTIONS,
+              capacity: Capacity = Capacity()):
     """Runs `scenario(openai_client, base_url, edge_client)` against a running endpoint."""
     async def run():
-        async with running_endpoint(address, options, "127.0.0.1", 0, LINK) as (edge, port):
+        async with running_endpoint(address, options, "127.0.0.1", 0, LINK,
+                                    capacity) as (edge, port):
             base = f"http://127.0.0.1:{port}/v1"
             api = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
             return await scenario(api, base, edge)

@@ -1,7 +1,9 @@
 """`edge-client serve` on the real model, driven by the official `openai` client: the same
-answer as `edge-client` for the same prompt and settings, streamed or not."""
+answer as `edge-client` for the same prompt and settings, streamed or not, and the same answers
+to requests at once as to each alone."""
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 
@@ -41,3 +43,26 @@ def test_openai_client_gets_the_cli_answer():
     assert set(stats["drafts"]) == {"used", "earned", "late", "wrong"}
     assert sum(stats["drafts"][k] for k in ("used", "late", "wrong")) > 0
     assert all(s.usage.completion_tokens == 8 for s in sampled)
+
+
+@pytest.mark.slow
+def test_streams_at_once_get_the_answers_they_get_alone():
+    """Four streamed chats at once through the default drafter (MoA: a sibling drafter state
+    each over one set of ONNX sessions), their forwards batched on the server."""
+    prompts = ["Write a short poem about the sea.", "What is the capital of France?",
+               "List three prime numbers.", "Explain what a compiler does."]
+
+    async def chat(api: openai.AsyncOpenAI, prompt: str) -> str:
+        stream = await api.chat.completions.create(
+            model=None, messages=[{"role": "user", "content": prompt}], stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def scenario(base_url: str) -> tuple[list[str], list[str]]:
+        api = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+        alone = [await chat(api, p) for p in prompts]
+        return alone, list(await asyncio.gather(*(chat(api, p) for p in prompts)))
+
+    with running_server() as address:
+        with running_endpoint(address, "--max-new-tokens", "32") as base_url:
+            alone, together = asyncio.run(scenario(base_url))
+    assert together == alone and all(alone)

@@ -26,6 +26,7 @@ onnxruntime only.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -129,6 +130,17 @@ class MoaDrafter:
                                  providers=["CPUExecutionProvider"])
             for graph in (Graph.MEMORY, Graph.STEP))
         self.reset(())
+
+    def sibling(self) -> "MoaDrafter":
+        """A drafter with state of its own (text, caches, race fit) over this one's
+        onnxruntime sessions, for a generation beside this one's: the graphs' weights are
+        loaded once, and onnxruntime runs one session from several threads at once."""
+        twin = copy.copy(self)
+        twin._lookup = PromptLookupDrafter()
+        twin.step_calls = 0
+        twin._race = twin.ranker = None
+        twin.reset(())
+        return twin
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Forgets the text and the activation memory; activations of the prompt come next."""

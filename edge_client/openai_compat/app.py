@@ -1,9 +1,11 @@
 """The HTTP side of `edge-client serve`: OpenAI's routes over one EdgeClient.
 
 Each request is one split-decoding generation, with the link, drafter and offline policy of the
-`edge-client serve` flags. Streams carry committed text only: offline drafts stay on the edge
-until the server has judged them, and text the target never checked goes out only when the
-request sets `allow_unverified` (with `--offline-policy keep`).
+`edge-client serve` flags; requests at once run side by side over the one link, as many as
+the admission lets run (admission.py). Streams carry committed text only: offline drafts stay
+on the edge until the server has judged them, and text the target never checked goes out only
+when the request sets `allow_unverified` (with `--offline-policy keep`). A request whose
+client hangs up ends its generation and the server's session with it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from tokenizers import Tokenizer
 from edge_client.client import EdgeClient
 from edge_client.generate import GenerationResult
 from edge_client.link import LinkError, ServerUnreachable
+from edge_client.openai_compat.admission import Admission
 from edge_client.openai_compat.requests import (
     ApiError, ApiRequest, Kind, parse_chat, parse_completion,
 )
@@ -68,8 +71,9 @@ class AnswerText:
 
 
 class Endpoint:
-    def __init__(self, client: EdgeClient):
+    def __init__(self, client: EdgeClient, admission: Admission):
         self.client = client
+        self.admission = admission
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[openai_errors])
@@ -95,6 +99,11 @@ class Endpoint:
         if api.model not in (None, model):
             raise ApiError(404, f"model {api.model!r} does not exist; this endpoint serves "
                                 f"{model!r} (GET /v1/models)", "model", code="model_not_found")
+        async with self.admission.turn():
+            return await self._generate(request, api, model)
+
+    async def _generate(self, request: web.Request, api: ApiRequest, model: str
+                        ) -> web.StreamResponse:
         reply = Reply(api, model)
         text = AnswerText(self.client.tokenizer, api.options.stop_strings)
         generation = asyncio.create_task(self.client.generate(self._open(api), text))
@@ -106,7 +115,10 @@ class Endpoint:
             return web.json_response(reply.completion(text.sent + _finish(api, text, result),
                                                       result))
         finally:
-            generation.cancel()  # the caller hung up: the Decode stream closes with it
+            # The caller hung up: the generation closes its session on the server before
+            # its slot is free (a bounded wait, generate.py CLOSE_TIMEOUT_S).
+            generation.cancel()
+            await asyncio.wait({generation})
 
     def _open(self, api: ApiRequest) -> OpenRequest:
         if api.kind is Kind.CHAT:
@@ -178,7 +190,7 @@ async def openai_errors(request: web.Request, handler: Handler) -> web.StreamRes
     try:
         return await handler(request)
     except ApiError as err:
-        return web.json_response(error_body(err), status=err.status)
+        return web.json_response(error_body(err), status=err.status, headers=err.headers)
     except web.HTTPException as err:  # unknown route, wrong method
         api = ApiError(err.status, f"{request.method} {request.path}: {err.reason}",
                        code=err.reason.lower().replace(" ", "_"))

@@ -26,10 +26,12 @@ class ApiError(Exception):
     """A request the endpoint refuses, in the terms of OpenAI's error object."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None):
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: Mapping[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = (
             status, message, param, kind, code)
+        self.headers = dict(headers or {})  # e.g. a 429's Retry-After
 
 
 class Kind(enum.Enum):
