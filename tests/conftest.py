@@ -49,7 +49,8 @@ def train_tiny(target, out: Path, steps: int, **settings) -> Path:
     """A drafter trained briefly on the tiny target's own answers to 8 prompts (sub-vocabulary
     head); `settings` are TrainSettings fields."""
     from cloud_server.training.data import Sample, answer_batch
-    from cloud_server.training.moa import Trainer, TrainSettings
+    from cloud_server.training.moa import Trainer
+    from cloud_server.training.settings import TrainSettings
 
     prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
     answers = answer_batch(target, prompts, max_new_tokens=32)

@@ -1,6 +1,6 @@
 """The packages call each other in one direction only: the server and the edge share `shared`
-and never import each other; `shared` and `netsim` import neither. Read from the source, so a
-lazy import inside a function counts too."""
+and never import each other; `shared` and `netsim` import neither; no module imports itself
+through others. Read from the source, so a lazy import inside a function counts too."""
 from __future__ import annotations
 
 import ast
@@ -19,15 +19,55 @@ FORBIDDEN = {
 }
 
 
-def imported_packages(path: Path) -> set[str]:
+def imported_modules(path: Path) -> set[str]:
+    """Every dotted name `path` imports; `from a.b import c` gives a.b and a.b.c (c may be a
+    module)."""
     tree = ast.parse(path.read_text(), str(path))
     names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names.update(alias.name.split(".")[0] for alias in node.names)
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module.split(".")[0])
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
     return names
+
+
+def imported_packages(path: Path) -> set[str]:
+    return {name.split(".")[0] for name in imported_modules(path)}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
 
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
@@ -37,6 +77,21 @@ def test_package_imports_only_downward(package):
     wrong = {str(p.relative_to(ROOT)): sorted(imported_packages(p) & FORBIDDEN[package])
              for p in files}
     assert not {f: w for f, w in wrong.items() if w}
+
+
+def test_no_import_cycles():
+    """A circle (training's losses importing the trainer for its settings, once) means no
+    module of it can be read, or loaded, alone."""
+    files = {module_name(p): p for package in FORBIDDEN for p in (ROOT / package).rglob("*.py")
+             if "pb" not in p.relative_to(ROOT).parts}
+    graph = {name: (imported_modules(path) & files.keys()) - {name}
+             for name, path in files.items()}
+    assert not import_cycles(graph)
+
+
+def test_import_cycles_are_found():
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert not import_cycles({"a": {"b"}, "b": set()})
 
 
 def test_tests_never_import_benchmarks():

@@ -14,7 +14,8 @@ from cloud_server.training.data import Sample, answer_batch
 from shared.drafter_bundle import Memory
 from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.model import HiddenFusion
-from cloud_server.training.moa import INDEPENDENT, Teacher, Trainer, TrainSettings, teacher
+from cloud_server.training.moa import INDEPENDENT, Teacher, Trainer, teacher
+from cloud_server.training.settings import TrainSettings
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
 

@@ -22,7 +22,7 @@ SUMMARY = "training.json"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from cloud_server.training.moa import TrainSettings
+    from cloud_server.training.settings import TrainSettings
 
     d = TrainSettings()
     p = argparse.ArgumentParser(prog="cloud-server train-drafter", description=__doc__)
@@ -131,7 +131,8 @@ def main(argv: list[str]) -> int:
     from cloud_server.device import Precision
     from cloud_server.target import TargetModel
     from cloud_server.training import data, prompt_sources
-    from cloud_server.training.moa import CHECKPOINT, Trainer, TrainSettings
+    from cloud_server.training.moa import CHECKPOINT, Trainer
+    from cloud_server.training.settings import TrainSettings
 
     if (args.out / CHECKPOINT).exists() and not args.resume:
         print(f"train-drafter: {args.out} holds a checkpoint: pass --resume or another --out",

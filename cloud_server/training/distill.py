@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from cloud_server.moa.model import EdgeHalf
 
 if TYPE_CHECKING:
-    from cloud_server.training.moa import TrainSettings
+    from cloud_server.training.settings import TrainSettings
 
 
 def distill_loss(edge: EdgeHalf, hidden: torch.Tensor, target_hidden: torch.Tensor,

@@ -35,7 +35,7 @@ from cloud_server.moa.model import EdgeHalf
 from cloud_server.training.distill import distill_loss
 
 if TYPE_CHECKING:
-    from cloud_server.training.moa import TrainSettings
+    from cloud_server.training.settings import TrainSettings
 
 GLANCE_END = 0.1  # lambda at the end of training, as a fraction of its start
 
