@@ -6,11 +6,12 @@ import contextlib
 import os
 import platform
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+from testkit.cli_harness import free_port  # every benchmark takes its ports from here
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,13 +49,6 @@ def python_module(module: str, args: Sequence[str], cores: frozenset[int] | None
     env = {**os.environ, "OMP_NUM_THREADS": str(len(cores))}
     return subprocess.Popen([sys.executable, "-c", _PIN_AND_RUN,
                              ",".join(map(str, sorted(cores))), module, *args], env=env, **popen)
-
-
-def free_port() -> int:
-    """A port on loopback that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def parse_cores(text: str | None) -> frozenset[int] | None:

@@ -6,8 +6,8 @@ import pytest
 
 from shared.drafter_bundle import Precision
 
-from tests.device_under_test import DEVICE
-from tests.tiny_model import build_tiny_model
+from testkit.device_under_test import DEVICE
+from testkit.tiny_model import build_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ from shared.drafting.base import DrafterName
 from shared.messages import Limits, OpenRequest
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
-from tests.device_under_test import DEVICE
+from testkit.device_under_test import DEVICE
 
 LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=600, max_new_tokens=64)
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.cli_harness import free_port, running_server
+from testkit.cli_harness import free_port, running_server
 
 EDGE = [sys.executable, "-m", "edge_client.cli"]
 

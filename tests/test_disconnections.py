@@ -15,7 +15,7 @@ from edge_client.link import LinkConfig
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from shared.messages import Limits, Pace
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
-from tests.cli_harness import free_port
+from testkit.cli_harness import free_port
 from tests.server_harness import ServerThread
 
 

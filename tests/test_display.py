@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from edge_client.display import DIM, RESTORE_AND_CLEAR, SAVE_CURSOR, TerminalView
-from tests.tiny_model import byte_tokenizer
+from testkit.tiny_model import byte_tokenizer
 
 
 class Terminal(io.StringIO):

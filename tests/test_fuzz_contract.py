@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the Decode contract (hypothesis; the strategies in `tests/fuzzing.py`)
+"""Property-based fuzzing of the Decode contract (hypothesis; the strategies in `testkit/fuzzing.py`)
 against a real server on the tiny model, with a healthy generation running beside the fuzzer:
 every sequence of client messages, however malformed (bad parents, huge or negative ids, NaN and
 negative q, unknown enum values, opens after closes, resumes of unknown sessions, wrong round and
@@ -13,7 +13,7 @@ import pytest
 
 from cloud_server.reference import plain_greedy
 from shared.messages import Limits
-from tests.fuzzing import HEALTHY_PROMPT, Healthy, Tally, fuzz, mutated, sequences
+from testkit.fuzzing import HEALTHY_PROMPT, Healthy, Tally, fuzz, mutated, sequences
 from tests.server_harness import ServerThread
 
 EXAMPLES = 300

@@ -6,9 +6,9 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from cloud_server.kv_cache import ReservedLayer, reserved_cache, room_for
+from cloud_server.kv_cache import ReservedLayer, room_for, whole_cache
 from cloud_server.target import keep_path
-from tests.device_under_test import DEVICE
+from testkit.device_under_test import DEVICE
 
 HEADS, DIM = 3, 4
 
@@ -108,4 +108,4 @@ def test_a_sessions_cache_grows_in_place_on_the_cpu_within_what_admission_counte
         return
     assert layers and all(type(layer) is ReservedLayer for layer in layers)
     assert all(layer._buffers[0].shape[-2] <= session.most_positions for layer in layers)
-    assert reserved_cache(tiny_target.model.config).layers[0].most_positions is None
+    assert whole_cache(tiny_target.model.config, True).layers[0].most_positions is None

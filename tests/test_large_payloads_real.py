@@ -13,7 +13,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import ServerLink
 from edge_client.server_only import Mode
 from shared.messages import ActivationFormat, Limits, OpenRequest, Opened, Resume, Verdict
-from tests.device_under_test import DEVICE
+from testkit.device_under_test import DEVICE
 from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow

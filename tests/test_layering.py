@@ -94,10 +94,14 @@ def test_import_cycles_are_found():
     assert not import_cycles({"a": {"b"}, "b": set()})
 
 
-def test_tests_never_import_benchmarks():
-    """Benchmarks measure the product; tests check it. Neither leans on the other's code."""
-    files = sorted((ROOT / "tests").glob("*.py"))
-    assert not [str(p.relative_to(ROOT)) for p in files if "benchmarks" in imported_packages(p)]
+@pytest.mark.parametrize("package, forbidden", [("tests", "benchmarks"), ("benchmarks", "tests"),
+                                                ("testkit", "tests"), ("testkit", "benchmarks")])
+def test_tests_and_benchmarks_share_only_testkit(package, forbidden):
+    """Benchmarks measure the product; tests check it. Neither leans on the other's code: what
+    both need (the tiny model, CLI processes on free ports, the fuzzer) lives in `testkit`."""
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no sources under {package}/"
+    assert not [str(p.relative_to(ROOT)) for p in files if forbidden in imported_packages(p)]
 
 
 def test_the_running_server_never_imports_training_code():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.device_under_test import DEVICE
+from testkit.device_under_test import DEVICE
 from tests.in_process import split_greedy
 from shared.messages import ChatMessage
 

@@ -10,7 +10,7 @@ import sys
 import openai
 import pytest
 
-from tests.cli_harness import running_endpoint, running_server
+from testkit.cli_harness import running_endpoint, running_server
 
 PROMPT = "Write a short poem about the sea."
 FLAGS = ["--max-new-tokens", "24", "--drafter", "pld"]

@@ -95,7 +95,7 @@ def test_a_model_the_engine_cannot_run_is_refused_by_name(tmp_path):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
-    from tests.tiny_model import byte_tokenizer
+    from testkit.tiny_model import byte_tokenizer
 
     byte_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="--weights q4 cannot run this model: .*biases"):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.cli_harness import free_port, server_process
+from testkit.cli_harness import free_port, server_process
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7] * 3
 NEW = 160

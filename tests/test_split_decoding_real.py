@@ -10,7 +10,7 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.generate import SilentListener
 from shared.messages import ChatMessage, OpenRequest
-from tests.device_under_test import DEVICE
+from testkit.device_under_test import DEVICE
 from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow

@@ -84,7 +84,7 @@ def test_unusable_sampling_is_refused(tiny_server, sampling, mode, words):
 
 
 def test_stop_strings_and_stop_ids_end_the_generation(tiny_server, tiny_target):
-    from tests.tiny_model import byte_tokenizer
+    from testkit.tiny_model import byte_tokenizer
 
     tokenizer = byte_tokenizer()
     full = generate(tiny_server.address, "pld", 8, SamplingParams(), None).output_ids

@@ -1,5 +1,5 @@
 """The Decode contract fuzzed at length: hypothesis-drawn message sequences and mutated wire bytes
-(the strategies of `tests/fuzzing.py`) against a cloud-server process on the tiny model, while
+(the strategies of `testkit/fuzzing.py`) against a cloud-server process on the tiny model, while
 a healthy greedy generation runs beside. Every call must end with a clear status; the healthy
 text must stay exact; the server must neither fail internally, restart nor keep a session past
 its idle timeout."""
@@ -13,9 +13,9 @@ from benchmarks.common import cloud_server
 from benchmarks.reliability import log, server_metrics
 from cloud_server.reference import plain_greedy
 from cloud_server.target import TargetModel
-from tests.cli_harness import free_port
-from tests.fuzzing import HEALTHY_PROMPT, Healthy, Tally, fuzz, mutated, sequences
-from tests.tiny_model import build_tiny_model
+from testkit.cli_harness import free_port
+from testkit.fuzzing import HEALTHY_PROMPT, Healthy, Tally, fuzz, mutated, sequences
+from testkit.tiny_model import build_tiny_model
 
 IDLE_TIMEOUT_S = 2
 HEALTHY_TOKENS = 24

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from benchmarks.reliability import chat, generate, log, prompt_items, server_metrics
-from tests.cli_harness import free_port, server_process
+from testkit.cli_harness import free_port, server_process
 
 KINDS = (("killed", signal.SIGKILL, 0.0), ("drained", signal.SIGTERM, 0.0),
          ("killed, down 5 s more", signal.SIGKILL, 5.0))

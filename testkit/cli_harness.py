@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Iterator
 
-from tests.device_under_test import DEVICE
+from testkit.device_under_test import DEVICE
 
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF
 
