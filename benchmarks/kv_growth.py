@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.calibrate import bushy_tree
-from cloud_server.kv_cache import reserved_cache
+from cloud_server.kv_cache import whole_cache
 from cloud_server.target import TargetModel, keep_path
 from shared.tree import DraftTree
 
@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
 def prefilled(target: TargetModel, length: int, seed: int) -> dict[str, DynamicCache]:
     """One prompt's cache of each kind, holding the same keys and values (prefilled once)."""
     ids = np.random.default_rng(seed).integers(100, target.vocab_size, length).tolist()
-    in_place = reserved_cache(target.model.config)
+    in_place = whole_cache(target.model.config, in_place=True)
     target.drive(target.prefill_jobs(in_place, ids))
     concatenated = DynamicCache(config=target.model.config)
     for i, layer in enumerate(in_place.layers):

@@ -23,9 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_RESERVE = 32  # positions of room a buffer gets at least when it grows: several forwards
+NUMPY_TYPES = (torch.float16, torch.float32, torch.float64)  # what a numpy view can hold
 
 
 def room_for(end: int) -> int:
@@ -101,14 +102,18 @@ class ReservedLayer(DynamicLayer):
                 buffer[..., :length, :] = states[..., :length, :]
             buffers.append(buffer)
         self._buffers = (buffers[0], buffers[1])
-        on_cpu = buffers[0].device.type == "cpu" and buffers[0].shape[0] == 1
-        self._arrays = (buffers[0][0].numpy(), buffers[1][0].numpy()) if on_cpu else None
+        viewable = all(b.device.type == "cpu" and b.shape[0] == 1 and b.dtype in NUMPY_TYPES
+                       for b in buffers)
+        self._arrays = (buffers[0][0].numpy(), buffers[1][0].numpy()) if viewable else None
 
 
-def reserved_cache(config: Any, most_positions: int | None = None) -> DynamicCache:
-    """The model's DynamicCache with its full-attention layers growing in place (sliding-window
-    layers are left as transformers builds them)."""
+def whole_cache(config: Any, in_place: bool, most_positions: int | None = None) -> DynamicCache:
+    """The model's DynamicCache with every layer whole, sliding-window ones included (their
+    window is applied by the mask, session_mask.py; a tree is compacted by index). `in_place`:
+    the layers grow in place (ReservedLayer), with at most `most_positions` of room."""
     cache = DynamicCache(config=config)
-    cache.layers = [ReservedLayer(most_positions) if type(layer) is DynamicLayer else layer
-                    for layer in cache.layers]
+    cache.layers = [
+        (ReservedLayer(most_positions) if in_place else DynamicLayer())
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
+        for layer in cache.layers]
     return cache

@@ -10,11 +10,14 @@ copied into a batch tensor: a session's cache grows in place exactly as in a for
 The adapter works inside transformers' attention interface: `RaggedCache.update` appends each
 session's slice of the new keys and values to its own cache and hands the attention function
 all of them (`RaggedStates`); the attention function registered by `install` then runs the
-model's own attention implementation once per session. A forward that is not ragged passes
-straight through to that implementation, so single-session forwards are unchanged.
+model's own attention implementation once per session, with the mask for the layer's sliding
+window if it has one (session_mask.py). A forward that is not ragged passes straight through to
+that implementation, so single-session forwards are unchanged; a target with sliding-window
+layers runs all its forwards ragged, one session included (TargetModel).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -24,6 +27,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from cloud_server.gqa_attention import grouped
+from cloud_server.session_mask import SessionMask
 
 # A 4D attention_mask makes transformers skip building its own mask; the real masks are
 # RaggedCache's, one per session.
@@ -33,10 +37,10 @@ PLACEHOLDER_MASK = torch.zeros(1, 1, 1, 1)
 @dataclass(frozen=True)
 class RaggedStates:
     """One layer's keys (or values) of every session in a ragged forward, each [1, kv_heads,
-    cached + new, head_dim], with each session's additive mask [1, 1, new, cached + new]."""
+    cached + new, head_dim], with each session's mask."""
 
     parts: tuple[torch.Tensor, ...]
-    masks: tuple[torch.Tensor, ...]
+    masks: tuple[SessionMask, ...]
 
 
 class RaggedCache:
@@ -44,7 +48,7 @@ class RaggedCache:
     and values by session and appends them to that session's DynamicCache."""
 
     def __init__(self, caches: Sequence[DynamicCache], lengths: Sequence[int],
-                 masks: Sequence[torch.Tensor]):
+                 masks: Sequence[SessionMask]):
         self._caches = tuple(caches)
         self._lengths = list(lengths)
         self._masks = tuple(masks)
@@ -69,13 +73,22 @@ def _per_session(attention: Callable[..., tuple[torch.Tensor, Any]]):
         if not isinstance(key, RaggedStates):
             return attention(module, query, key, value, attention_mask, **kwargs)
         outputs, start = [], 0
-        for k, v, mask in zip(key.parts, value.parts, key.masks):
+        for k, v, masks in zip(key.parts, value.parts, key.masks):
+            mask = masks.for_window(kwargs.get("sliding_window"))
             new = mask.shape[-2]
             out, _ = attention(module, query[:, :, start: start + new], k, v, mask, **kwargs)
             outputs.append(out)  # [1, new, heads, head_dim]
             start += new
         return torch.cat(outputs, dim=1), None
     return attend
+
+
+def _attention_function(model: Any, implementation: str) -> Callable[..., Any] | None:
+    """transformers' attention function of that name; "eager" is each model's own (Gemma 2
+    runs eager for its soft-capping)."""
+    if implementation == "eager":
+        return getattr(sys.modules[type(model).__module__], "eager_attention_forward", None)
+    return ALL_ATTENTION_FUNCTIONS.get(implementation)
 
 
 def install(model: Any) -> bool:
@@ -85,12 +98,12 @@ def install(model: Any) -> bool:
     original = model.config._attn_implementation
     if original.startswith("splitdec_ragged_"):
         return True
-    if original not in ALL_ATTENTION_FUNCTIONS or original not in ALL_MASK_ATTENTION_FUNCTIONS:
+    attention = _attention_function(model, original)
+    if attention is None or original not in ALL_MASK_ATTENTION_FUNCTIONS:
         return False
     if not model._can_set_attn_implementation():
         return False
     name = f"splitdec_ragged_{original}"
-    attention = ALL_ATTENTION_FUNCTIONS[original]
     if original == "sdpa":
         attention = grouped(attention)
     AttentionInterface.register(name, _per_session(attention))

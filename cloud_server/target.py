@@ -25,8 +25,9 @@ from transformers import (
 from cloud_server import ragged
 from cloud_server.cpu_kernels import use_onednn_linear
 from cloud_server.device import Device, Precision, Weights
-from cloud_server.kv_cache import reserved_cache
+from cloud_server.kv_cache import whole_cache
 from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.session_mask import SessionMask, sliding_window
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
 from shared.tree import DraftTree
@@ -105,7 +106,17 @@ class TargetModel:
         if engine is None and onednn and dev.type == "cpu":
             use_onednn_linear(model)
         batchable = engine is not None or ragged.install(model)
+        if not batchable and sliding_window(model.config) is not None:
+            raise ValueError(f"{model_id}: its sliding-window layers need transformers' "
+                             f"attention interface, which "
+                             f"{model.config._attn_implementation!r} attention does not go "
+                             f"through")
         return cls(model, tokenizer, model_id, dev, batchable, engine)
+
+    @property
+    def window(self) -> int | None:
+        """The target's sliding window, None when every layer attends to all it has."""
+        return sliding_window(self.model.config)
 
     @property
     def vocab_size(self) -> int:
@@ -152,9 +163,7 @@ class TargetModel:
         `most_positions` of room when given. On a GPU, transformers' concatenating cache: the
         forward there is bound by the host, and in place cost 1-4% a forward on an H100
         (`benchmarks/results/kv_growth_gpu.md`) where on the CPU it saved up to 25%."""
-        if self.device.type != "cpu":
-            return DynamicCache(config=self.model.config)
-        return reserved_cache(self.model.config, most_positions)
+        return whole_cache(self.model.config, self.device.type == "cpu", most_positions)
 
     def prefill_jobs(self, cache: DynamicCache, ids: Sequence[int], capture: tuple[int, ...] = ()
                      ) -> Work[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -243,13 +252,19 @@ class TargetModel:
 
     def _cache_and_mask(self, jobs: Sequence[ForwardJob]
                         ) -> tuple[DynamicCache | ragged.RaggedCache, torch.Tensor | None]:
-        if len(jobs) == 1:  # the model's own path: a prompt chunk gets its causal mask there
+        if len(jobs) == 1 and self.window is None:  # the model's own path and masks
             job = jobs[0]
             return job.cache, None if job.allowed is None else self._additive(job.allowed)
-        masks = [self._additive(self._allowed(job)) for job in jobs]
+        masks = [self._session_mask(job) for job in jobs]
         return (ragged.RaggedCache([job.cache for job in jobs], [len(job.ids) for job in jobs],
                                    masks),
                 ragged.PLACEHOLDER_MASK.to(self.device))
+
+    def _session_mask(self, job: ForwardJob) -> SessionMask:
+        cached = job.cache.get_seq_length()
+        queries = torch.as_tensor(job.positions, device=self.device)
+        keys = torch.cat([torch.arange(cached, device=self.device), queries])
+        return SessionMask(self._additive(self._allowed(job)), queries, keys)
 
     @staticmethod
     def _allowed(job: ForwardJob) -> np.ndarray:

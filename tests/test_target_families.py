@@ -1,0 +1,96 @@
+"""The families operators serve, each as a tiny random checkpoint (testkit/target_families.py),
+through the equivalences SmolLM2 passes: a tree forward gives each node its own path's logits,
+a batched forward gives each session what it gets alone, plain greedy decoding is transformers'
+`generate`, and split greedy decoding is plain greedy decoding, with prompts that run past the
+sliding window."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from cloud_server.reference import compare, plain_greedy
+from cloud_server.target import TargetModel
+from edge_client.client import ClientOptions, EdgeClient
+from shared.messages import Limits, OpenRequest
+from shared.tree import DraftTree
+from testkit.target_families import FAMILIES, WINDOW, build_family
+from tests.server_harness import ServerThread
+
+PROMPT = [5, 17, 42, 99, 7, 61, 3, 9, 11, 12, 13, 14, 15]  # past the window
+TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17), parents=(-1, -1, 0, 0, 1, 2, 5, 4))
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(20, 32)) * 2, [100]]
+MAX_NEW = 24
+assert len(PROMPT) > WINDOW
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+           ) -> TargetModel:
+    path = build_family(request.param, tmp_path_factory.mktemp(request.param))
+    return TargetModel.load(str(path), request.param, "cpu")
+
+
+def causal_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return target.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def test_a_tree_forward_gives_each_node_its_paths_logits(target):
+    cache, last = target.prefill(PROMPT)
+    torch.testing.assert_close(last, causal_logits(target, PROMPT)[-1], atol=1e-4, rtol=0)
+    logits = target.forward_tree(cache, 30, TREE)
+    base = PROMPT + [30]
+    torch.testing.assert_close(logits[0], causal_logits(target, base)[-1], atol=1e-4, rtol=0)
+    for node in range(len(TREE)):
+        expected = causal_logits(target, base + TREE.path_tokens(node))[-1]
+        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=0)
+
+
+def test_a_batched_forward_gives_each_session_what_it_gets_alone(target):
+    assert target.batchable
+    prompts = [PROMPT, PROMPT[:5], list(range(40, 60))]
+    alone = []
+    for prompt in prompts:
+        cache, _ = target.prefill(prompt)
+        alone.append(target.forward_tree(cache, 30, TREE))
+    jobs = []
+    for prompt in prompts:
+        cache, _ = target.prefill(prompt)
+        jobs.append(target.tree_job(cache, 30, TREE))
+    target.run(jobs)
+    together = [job.logits for job in jobs]
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_decoding_steps_past_the_window_are_transformers_generate(target):
+    """Step by step through the server's forwards (a whole cache, the window in the mask)
+    against transformers' own greedy generation (its sliding-window cache)."""
+    cache, last = target.prefill(PROMPT)
+    ids = [int(last.argmax())]
+    for _ in range(MAX_NEW - 1):
+        ids.append(int(target.forward_tree(cache, ids[-1], DraftTree.chain([]))[0].argmax()))
+    expected = plain_greedy(target, PROMPT, MAX_NEW)
+    assert ids[: len(expected)] == expected
+
+
+@pytest.mark.parametrize("drafter", ["pld", "aded"])
+def test_split_greedy_is_plain_greedy(target, drafter):
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=64,
+                    max_new_tokens=64, max_sessions=4, session_idle_timeout_s=5)
+
+    async def generate(address: str) -> list:
+        async with EdgeClient(address, ClientOptions(drafter, 8, MAX_NEW)) as client:
+            return [await client.generate(OpenRequest(prompt_ids=tuple(p),
+                                                      max_new_tokens=MAX_NEW))
+                    for p in PROMPTS]
+
+    with ServerThread(target, limits) as server:
+        results = asyncio.run(generate(server.address))
+    for prompt, result in zip(PROMPTS, results):
+        plain = plain_greedy(target, prompt, MAX_NEW)
+        verdict = compare(target, prompt, result.output_ids, plain)
+        assert verdict.lossless, (prompt, verdict, result.output_ids, plain)
+    assert sum(r.accepted_tokens for r in results) > 0, "no draft was ever accepted"
