@@ -3,7 +3,8 @@
 Knows nothing of sessions, acceptance rules or gRPC. A draft tree is verified in one forward
 pass: the pending token (committed but not yet in the cache) followed by the tree's nodes, under
 a 4D ancestor mask with positions = base + depth (docs/architecture.md, Verification; SpecInfer, Miao et al. 2024,
-section 4.2). Works for any transformers causal LM whose cache is a DynamicCache of full layers.
+section 4.2). Works for the families self_check.py lists; another architecture loads only if it
+passes that module's check at startup.
 
 Model work is written as `Work`: a generator that yields the `ForwardJob`s it needs and returns
 its result, so that the forwards of several sessions can run as one (`run`, ragged.py) while
@@ -27,6 +28,7 @@ from cloud_server.cpu_kernels import use_onednn_linear
 from cloud_server.device import Device, Precision, Weights
 from cloud_server.kv_cache import whole_cache
 from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.self_check import check_target
 from cloud_server.session_mask import SessionMask, sliding_window
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage
@@ -111,7 +113,9 @@ class TargetModel:
                              f"attention interface, which "
                              f"{model.config._attn_implementation!r} attention does not go "
                              f"through")
-        return cls(model, tokenizer, model_id, dev, batchable, engine)
+        target = cls(model, tokenizer, model_id, dev, batchable, engine)
+        check_target(target)
+        return target
 
     @property
     def window(self) -> int | None:

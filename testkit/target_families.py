@@ -33,11 +33,24 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Architectures outside the verified table (cloud_server/self_check.py): one the generic path
+# runs exactly, one it cannot (ALiBi, built from a 2D padding mask).
+OUTSIDE: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(n_layer=2, n_head=4)),
+}
+
+
 def build_family(name: str, path: Path, seed: int = 0) -> Path:
-    """Writes the tiny checkpoint of family `name` and a byte-level tokenizer to `path`."""
-    prefix, overrides = FAMILIES[name]
-    config = getattr(transformers, f"{prefix}Config")(**COMMON, **overrides)
-    model_class = "Gemma3ForCausalLM" if prefix == "Gemma3Text" else f"{prefix}ForCausalLM"
+    """Writes the tiny checkpoint of family `name` (FAMILIES or OUTSIDE) and a byte-level
+    tokenizer to `path`."""
+    if name in OUTSIDE:
+        config_class, model_class, overrides = OUTSIDE[name]
+    else:
+        prefix, overrides = FAMILIES[name]
+        config_class = f"{prefix}Config"
+        model_class = "Gemma3ForCausalLM" if prefix == "Gemma3Text" else f"{prefix}ForCausalLM"
+    config = getattr(transformers, config_class)(**COMMON, **overrides)
     torch.manual_seed(seed)
     model = getattr(transformers, model_class)(config)
     with torch.no_grad():  # larger weights give peaked, varied next-token distributions

@@ -6,11 +6,14 @@ sliding window."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from cloud_server.reference import compare, plain_greedy
+from cloud_server.self_check import UnverifiedModel
 from cloud_server.target import TargetModel
 from edge_client.client import ClientOptions, EdgeClient
 from shared.messages import Limits, OpenRequest
@@ -94,3 +97,21 @@ def test_split_greedy_is_plain_greedy(target, drafter):
         verdict = compare(target, prompt, result.output_ids, plain)
         assert verdict.lossless, (prompt, verdict, result.output_ids, plain)
     assert sum(r.accepted_tokens for r in results) > 0, "no draft was ever accepted"
+
+
+def test_an_architecture_outside_the_table_loads_when_it_passes_the_self_check(tmp_path):
+    target = TargetModel.load(str(build_family("olmo2", tmp_path)), "olmo2", "cpu")
+    cache, _ = target.prefill(PROMPT)
+    assert target.forward_tree(cache, 30, TREE).shape == (1 + len(TREE), target.vocab_size)
+
+
+def test_an_architecture_that_fails_the_self_check_is_refused_with_one_line(tmp_path):
+    path = build_family("bloom", tmp_path)
+    with pytest.raises(UnverifiedModel, match=r"\(bloom\) is outside the verified families"):
+        TargetModel.load(str(path), "bloom", "cpu")
+    proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--model", str(path),
+                           "--drafter-dir", "none", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("cloud-server: error: ") and "failed the startup self-check" in last
