@@ -25,7 +25,7 @@ SPLITDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$py" -m pytest -q \
     tests/test_target_tree_forward.py tests/test_batching.py tests/test_split_decoding_tiny.py \
     tests/test_paced_tiny.py tests/test_split_sampling_tiny.py tests/test_split_decoding_real.py \
     "tests/test_moa_real.py::test_committed_drafter_is_lossless_and_accepts[moa]" \
-    tests/test_large_payloads_real.py tests/test_kv_cache.py 2>&1 | tee "$logs/gpu_tests.log"
+    tests/test_large_payloads_real.py tests/test_kv_cache.py tests/test_target_families.py 2>&1 | tee "$logs/gpu_tests.log"
 tests=$?
 
 if [ "${CAPACITY:-1}" = 0 ]; then

@@ -18,6 +18,7 @@ from cloud_server.target import TargetModel
 from edge_client.client import ClientOptions, EdgeClient
 from shared.messages import Limits, OpenRequest
 from shared.tree import DraftTree
+from testkit.device_under_test import DEVICE
 from testkit.target_families import FAMILIES, WINDOW, build_family
 from tests.server_harness import ServerThread
 
@@ -32,12 +33,13 @@ assert len(PROMPT) > WINDOW
 def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> TargetModel:
     path = build_family(request.param, tmp_path_factory.mktemp(request.param))
-    return TargetModel.load(str(path), request.param, "cpu")
+    return TargetModel.load(str(path), request.param, DEVICE)
 
 
 def causal_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids])).logits[0].float()
+        return target.model(input_ids=torch.tensor([ids], device=target.device)
+                            ).logits[0].float()
 
 
 def test_a_tree_forward_gives_each_node_its_paths_logits(target):
@@ -100,7 +102,7 @@ def test_split_greedy_is_plain_greedy(target, drafter):
 
 
 def test_an_architecture_outside_the_table_loads_when_it_passes_the_self_check(tmp_path):
-    target = TargetModel.load(str(build_family("olmo2", tmp_path)), "olmo2", "cpu")
+    target = TargetModel.load(str(build_family("olmo2", tmp_path)), "olmo2", DEVICE)
     cache, _ = target.prefill(PROMPT)
     assert target.forward_tree(cache, 30, TREE).shape == (1 + len(TREE), target.vocab_size)
 
@@ -108,7 +110,7 @@ def test_an_architecture_outside_the_table_loads_when_it_passes_the_self_check(t
 def test_an_architecture_that_fails_the_self_check_is_refused_with_one_line(tmp_path):
     path = build_family("bloom", tmp_path)
     with pytest.raises(UnverifiedModel, match=r"\(bloom\) is outside the verified families"):
-        TargetModel.load(str(path), "bloom", "cpu")
+        TargetModel.load(str(path), "bloom", DEVICE)
     proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--model", str(path),
                            "--drafter-dir", "none", "--port", "0"],
                           capture_output=True, text=True, timeout=120)
