@@ -8,6 +8,7 @@ model (the numbers are in the docstring of netsim/)."""
 from __future__ import annotations
 
 import contextlib
+import random
 import select
 import signal
 import socket
@@ -25,7 +26,7 @@ import pytest
 from netsim import (
     PROFILES, LinkProfile, NetworkConditions, Outage, OutageMode, ProxyThread, parse_conditions,
 )
-from netsim.conditions import outage_windows, parse_address
+from netsim.conditions import MIN_RTO_S, outage_windows, parse_address
 
 LOOPBACK = "127.0.0.1"
 RECORD = struct.Struct("!Id")  # index, monotonic send time
@@ -120,9 +121,11 @@ def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-def _on_time(measured: float, expected: float, early: float, late: float) -> bool:
-    """Late by up to 50% + `late` (a loaded machine), early by at most `early` (timer slack)."""
-    return expected - early <= measured <= 1.5 * expected + late
+def _not_early(measured: float, expected: float, early: float) -> bool:
+    """Early by at most `early` (timer slack). Only a floor: a busy machine delivers late by any
+    amount, so how much a delay adds, and no more, is checked on the schedule itself
+    (`test_a_segment_trips_within_its_jitter_of_the_delay`)."""
+    return measured >= expected - early
 
 
 # --- conditions -------------------------------------------------------------------------------
@@ -194,7 +197,7 @@ def test_round_trip_is_twice_the_one_way_delay(echo: str):
     with ProxyThread(echo, conditions) as proxy, _connect(proxy.address) as sock:
         first = _round_trip_ms(sock)  # pays the simulated handshake too
         rtts = [_round_trip_ms(sock) for _ in range(15)]
-    assert _on_time(statistics.median(rtts), 50, early=1, late=5), rtts
+    assert _not_early(statistics.median(rtts), 50, early=1), rtts
     assert first >= 99, "a new connection's first exchange waits one extra round trip"
 
 
@@ -209,8 +212,8 @@ def test_each_direction_has_its_own_delay(echo: str, stamper: str):
             time.sleep(0.01)
         _wait_for(lambda: len(_Stamper.latencies) == 16)
     up_ms = [s * 1000 for s in _Stamper.latencies[1:]]  # the first paid the handshake
-    assert _on_time(statistics.median(up_ms), 20, early=1, late=10), up_ms
-    assert _on_time(statistics.median(rtts), 80, early=1, late=10), rtts
+    assert _not_early(min(up_ms), 20, early=1), up_ms
+    assert _not_early(min(rtts), 80, early=1), rtts
 
 
 def test_jitter_stays_within_its_bounds(stamper: str):
@@ -224,10 +227,22 @@ def test_jitter_stays_within_its_bounds(stamper: str):
             time.sleep(0.03)
         _wait_for(lambda: len(_Stamper.latencies) == 31)
     one_way_ms = sorted(s * 1000 for s in _Stamper.latencies[1:])
-    assert one_way_ms[0] >= 10 - 1, one_way_ms
-    assert one_way_ms[-4] <= 30 + 15, one_way_ms  # a loaded machine may stall a few
-    assert one_way_ms[-4] - one_way_ms[3] >= 8, "jitter was not applied"
-    assert _on_time(statistics.median(one_way_ms), 20, early=4, late=5), one_way_ms
+    assert _not_early(one_way_ms[0], 20 - 10, early=1), one_way_ms
+
+
+def test_a_segment_trips_within_its_jitter_of_the_delay():
+    """The schedule the proxy delivers by: each segment's trip is the delay give or take up to
+    the jitter, spread over that whole range, never below 0; serialization is bytes over the
+    bandwidth."""
+    rng = random.Random(3)
+    trips_ms = [1000 * LinkProfile(delay_ms=20, jitter_ms=10).propagation_s(rng)
+                for _ in range(2000)]
+    assert 10 <= min(trips_ms) < 11 and 29 < max(trips_ms) <= 30
+    assert 19 < statistics.median(trips_ms) < 21
+    assert LinkProfile(delay_ms=2, jitter_ms=10).propagation_s(random.Random(0)) >= 0
+    assert LinkProfile(delay_ms=20).propagation_s(rng) == 0.02
+    assert LinkProfile(1, bandwidth_mbit=8).serialization_s(1000) == pytest.approx(0.001)
+    assert LinkProfile(1).serialization_s(10**6) == 0.0
 
 
 def test_loss_stalls_a_round_trip_by_one_retransmission_timeout(echo: str):
@@ -237,9 +252,17 @@ def test_loss_stalls_a_round_trip_by_one_retransmission_timeout(echo: str):
     with ProxyThread(echo, conditions) as proxy, _connect(proxy.address, timeout=10) as sock:
         _round_trip_ms(sock)
         rtts = [_round_trip_ms(sock) for _ in range(24)]
-    stalled = [r for r in rtts if r > 150]
-    assert 4 <= len(stalled) <= 20, rtts
-    assert all(r >= 200 for r in stalled) and min(rtts) < 50, rtts
+    assert sum(r >= 200 for r in rtts) >= 4, rtts  # a floor: a busy machine only adds stalls
+
+
+def test_a_lost_packet_costs_one_retransmission_timeout_at_the_loss_rate():
+    """The schedule behind the stalls above: a one-packet segment is lost at the loss rate and
+    then waits one retransmission timeout, the round trip plus MIN_RTO_S."""
+    profile = LinkProfile(delay_ms=5, loss_pct=30)
+    rng = random.Random(4)
+    extra_s = [profile.retransmission_s(100, rng) for _ in range(4000)]
+    assert set(extra_s) == {0.0, MIN_RTO_S + 0.01}
+    assert sum(e > 0 for e in extra_s) / len(extra_s) == pytest.approx(0.3, abs=0.03)
 
 
 def test_jitter_never_reorders_or_corrupts_a_stream(echo: str):
@@ -279,14 +302,15 @@ def test_bandwidth_paces_uploads_and_downloads(echo: str, source: str):
         sock.sendall(struct.pack("!Q", size))
         _recv_exactly(sock, size)
         download_s = time.monotonic() - start
-    assert _on_time(upload_s, size * 8 / 8e6, early=0.005, late=0.02), upload_s  # 0.205 s
-    assert _on_time(download_s, size * 8 / 16e6, early=0.005, late=0.02), download_s  # 0.102
+    assert _not_early(upload_s, size * 8 / 8e6, early=0.005), upload_s  # 0.205 s
+    assert _not_early(download_s, size * 8 / 16e6, early=0.005), download_s  # 0.102
 
 
 # --- outages ----------------------------------------------------------------------------------
 
 def test_cut_resets_connections_and_refuses_new_ones_until_it_ends(echo: str):
-    conditions = NetworkConditions(outages=(Outage(0.4, 1.0),), outage_mode=OutageMode.CUT)
+    # 3 s: the checks inside the outage keep seconds of margin on a busy machine
+    conditions = NetworkConditions(outages=(Outage(0.4, 3.0),), outage_mode=OutageMode.CUT)
     with ProxyThread(echo, conditions) as proxy:
         with _connect(proxy.address) as sock:
             _round_trip_ms(sock)
@@ -302,7 +326,7 @@ def test_cut_resets_connections_and_refuses_new_ones_until_it_ends(echo: str):
 
 
 def test_blackhole_stalls_everything_then_delivers_what_it_held(echo: str):
-    conditions = NetworkConditions.symmetric(LinkProfile(5), outages=(Outage(0.4, 1.0),),
+    conditions = NetworkConditions.symmetric(LinkProfile(5), outages=(Outage(0.4, 3.0),),
                                              outage_mode=OutageMode.BLACKHOLE)
     with ProxyThread(echo, conditions) as proxy:
         with _connect(proxy.address) as old:

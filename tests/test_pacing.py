@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import queue
 import threading
-import time
 
 import grpc
 import numpy as np
@@ -325,8 +324,16 @@ def test_a_link_that_does_not_take_a_verdict_holds_no_forward_back():
 def test_a_verdict_is_handed_to_the_stream_before_the_next_forward(monkeypatch):
     """Outbox.send returns once the stream has taken the Verdict (its write completed), so the
     write's completion does not interrupt the next forward; a write the link does not take
-    holds the session back HAND_OFF_S once, and a writer still busy with it not at all."""
+    holds the session back HAND_OFF_S once, and a writer still busy with it not at all. The
+    waits are read from the timeouts the outbox enters, not from a clock a busy machine skews."""
     monkeypatch.setattr(pacing, "HAND_OFF_S", 0.3)  # far above the loop's jitter on a busy CI
+    timeouts: list[asyncio.Timeout] = []
+    real_timeout = asyncio.timeout
+
+    def recorded(delay: float | None) -> asyncio.Timeout:
+        timeouts.append(real_timeout(delay))
+        return timeouts[-1]
+    monkeypatch.setattr(pacing.asyncio, "timeout", recorded)
 
     async def go():
         written: list[int] = []
@@ -341,18 +348,17 @@ def test_a_verdict_is_handed_to_the_stream_before_the_next_forward(monkeypatch):
         outbox = Outbox(write)
         await outbox.send(Verdict(1, (), (1,), 11))
         taken_before_return = list(written)
-        start = time.monotonic()
         await outbox.send(Verdict(2, (), (1,), 12))  # taken, but its write does not complete
-        held_s = time.monotonic() - start
-        start = time.monotonic()
+        waits_after_held = len(timeouts)
         await outbox.send(Verdict(3, (), (1,), 13))  # the writer is busy: no wait
-        busy_s = time.monotonic() - start
+        waits_after_busy = len(timeouts)
         link_free.set()
         await outbox.flush()
-        return taken_before_return, held_s, busy_s, written
-    taken_before_return, held_s, busy_s, written = asyncio.run(go())
+        return taken_before_return, waits_after_held, waits_after_busy, written
+    taken_before_return, waits_after_held, waits_after_busy, written = asyncio.run(go())
     assert taken_before_return == [11]
-    assert held_s >= 0.3 and busy_s < 0.15
+    assert waits_after_held == 2 and not timeouts[0].expired() and timeouts[1].expired()
+    assert waits_after_busy == 2  # the busy writer was not waited for
     assert written == [11, 12, 13]
 
 

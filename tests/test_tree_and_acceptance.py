@@ -48,8 +48,11 @@ def test_greedy_acceptance_follows_target_argmax(choices, nodes, tokens):
     assert acceptance.tokens == tokens
 
 
-def test_validate_accepts_good_tree():
-    TREE.validate(vocab_size=100, max_nodes=6, max_depth=3)
+def test_validate_accepts_a_tree_at_its_limits_and_refuses_one_past_them():
+    assert TREE.validate(vocab_size=100, max_nodes=6, max_depth=3) is None  # 6 nodes, 3 deep
+    for limits in ({"vocab_size": 15}, {"max_nodes": 5}, {"max_depth": 2}):
+        with pytest.raises(InvalidRequest):
+            TREE.validate(**{"vocab_size": 100, "max_nodes": 6, "max_depth": 3, **limits})
 
 
 @pytest.mark.parametrize("tree, words", [
