@@ -85,9 +85,10 @@ class ReservedLayer(DynamicLayer):
         """The buffers are still under the layer's keys and values, with room for `end`."""
         if self._buffers is None or self.keys is None or self.values is None:
             return False
-        return end <= self._buffers[0].shape[-2] and all(
-            state.data_ptr() == buffer.data_ptr() and state.stride() == buffer.stride()
-            for state, buffer in zip((self.keys, self.values), self._buffers))
+        keys, values = self._buffers
+        return (end <= keys.shape[-2] and self.keys.data_ptr() == keys.data_ptr()
+                and self.values.data_ptr() == values.data_ptr()
+                and self.keys.stride() == keys.stride())
 
     def _grow(self, end: int, length: int, *new: torch.Tensor) -> None:
         room = room_for(end)

@@ -11,7 +11,7 @@ work on them as before.
 Lossless against itself: split decoding is judged against plain decoding through this same
 engine (cloud_server/reference.py). A row's result does not depend on the rows beside it except
 through rounding (a one-row product takes another kernel), so a tree forward and a decoding step
-agree up to near-ties, as fp32 does (README, `--weights`).
+agree up to near-ties, as fp32 does (docs/usage.md, `--weights`).
 """
 from __future__ import annotations
 
@@ -81,7 +81,8 @@ class OnnxEngine:
                  embedding: torch.nn.Module, threads: int):
         self.shape = shape
         self._weights = weights
-        self._embedding = embedding
+        # looked up in numpy: a torch op would wake torch's threads between two runs
+        self._table = embedding.weight.detach().float().numpy()
         self._threads = threads
         self._consts: dict[str, Any] = {}
         self._graphs: dict[int, ort.InferenceSession] = {}
@@ -118,9 +119,9 @@ class OnnxEngine:
         # beside a copy of itself, so a decoding step computes what a tree forward does.
         twin = lengths == [1]
         offsets = np.cumsum([0] + lengths)
-        ids = torch.tensor([t for job in jobs for t in job.ids] * (1 + twin))
+        ids = np.array([t for job in jobs for t in job.ids] * (1 + twin))
         feed: dict[str, np.ndarray] = {
-            "embeds": self._embedding(ids).numpy(),
+            "embeds": self._table[ids],
             "positions": np.concatenate([job.positions for job in jobs] * (1 + twin)),
             "keep": np.concatenate([o + np.array(job.rows, dtype=np.int64)
                                     for o, job in zip(offsets, jobs)])}

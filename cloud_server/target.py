@@ -312,8 +312,10 @@ def keep_path(cache: DynamicCache, base: int, accepted_nodes: tuple[int, ...]) -
     The cache holds base + 1 + n entries; entry base + 1 + i belongs to draft node i. The
     accepted nodes move down to base + 1, base + 2, ... and everything after them is dropped.
     """
-    src = torch.tensor([base + 1 + i for i in accepted_nodes], dtype=torch.long)
     new_len = base + 1 + len(accepted_nodes)
+    if not accepted_nodes and cache.get_seq_length() == new_len:
+        return  # a decoding step: nothing to move or drop
+    src = torch.tensor([base + 1 + i for i in accepted_nodes], dtype=torch.long)
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
             raise NotImplementedError("sliding-window KV layers cannot be compacted yet")
