@@ -46,6 +46,7 @@ from cloud_server.training.settings import TrainSettings
 from cloud_server.training.unroll import unrolled
 from torch import nn
 
+from cloud_server.kv_cache import whole_cache
 from cloud_server.layer_outputs import LayerOutputs
 from cloud_server.moa.config import MoaConfig, ServerInput
 from shared.drafter_bundle import Memory
@@ -82,9 +83,11 @@ def teacher(target: Any, batch: Batch, configs: list[MoaConfig]) -> Teacher:
                       if c.server_input is ServerInput.LAYER_KV), None)
     hidden_layers = tuple(sorted({i for c in reading for i in c.hidden_layers}))
     capture = LayerOutputs(target, hidden_layers) if hidden_layers else None
+    # every layer's K/V whole: a sliding-window layer's own cache keeps only its window
+    cache = None if kv_layers is None else whole_cache(target.config, in_place=False)
     with capture or nullcontext():
         out = target.model(input_ids=batch.ids, attention_mask=batch.attention,
-                           use_cache=kv_layers is not None)
+                           past_key_values=cache, use_cache=cache is not None)
     layer_kv = (None if kv_layers is None
                 else batch_layer_kv(out.past_key_values, kv_layers).float())
     outputs = {}
