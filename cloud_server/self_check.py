@@ -9,14 +9,11 @@ position shows as a difference of the logits' own size, rounding as one several 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol, Sequence
 
 import torch
 
 from shared.tree import DraftTree
-
-if TYPE_CHECKING:
-    from cloud_server.target import TargetModel
 
 VERIFIED = frozenset({"llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3"})
 PROMPT_LENGTH = 6
@@ -28,7 +25,29 @@ class UnverifiedModel(ValueError):
     """The target's architecture failed the startup check."""
 
 
-def check_target(target: "TargetModel") -> None:
+class Checked(Protocol):
+    """What the check reads of a TargetModel (target.py), which calls it at load: named here
+    rather than imported, so the two modules do not import each other."""
+
+    @property
+    def model(self) -> Any: ...
+    @property
+    def model_id(self) -> str: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def batchable(self) -> bool: ...
+    @property
+    def engine(self) -> object: ...
+    @property
+    def vocab_size(self) -> int: ...
+    def prefill(self, prompt_ids: list[int]) -> tuple[Any, torch.Tensor]: ...
+    def forward_tree(self, cache: Any, pending: int, tree: DraftTree) -> torch.Tensor: ...
+    def tree_job(self, cache: Any, pending: int, tree: DraftTree) -> Any: ...
+    def run(self, jobs: Sequence[Any]) -> None: ...
+
+
+def check_target(target: Checked) -> None:
     """Raises UnverifiedModel unless the target is in VERIFIED or passes the check."""
     model_type = target.model.config.model_type
     if model_type in VERIFIED or target.engine is not None:
@@ -42,7 +61,7 @@ def check_target(target: "TargetModel") -> None:
                               f"families and failed the startup self-check: {failed}")
 
 
-def _inputs(target: "TargetModel") -> tuple[list[int], int, DraftTree]:
+def _inputs(target: Checked) -> tuple[list[int], int, DraftTree]:
     vocab = target.vocab_size
     ids = [(7 + 13 * i) % vocab for i in range(PROMPT_LENGTH + 1 + len(TREE_PARENTS))]
     tree = DraftTree(tuple(ids[PROMPT_LENGTH + 1:]), TREE_PARENTS)
@@ -55,7 +74,7 @@ def _close(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> boo
     return float((got.float() - expected.float()).abs().max()) <= tolerance * scale
 
 
-def _tree_check(target: "TargetModel") -> str | None:
+def _tree_check(target: Checked) -> str | None:
     prompt, pending, tree = _inputs(target)
     cache, _ = target.prefill(prompt)
     logits = target.forward_tree(cache, pending, tree)
@@ -69,7 +88,7 @@ def _tree_check(target: "TargetModel") -> str | None:
     return None
 
 
-def _batch_check(target: "TargetModel") -> str | None:
+def _batch_check(target: Checked) -> str | None:
     prompt, pending, tree = _inputs(target)
     prompts = [prompt, prompt[: PROMPT_LENGTH // 2]]
     alone = []
