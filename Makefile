@@ -1,15 +1,21 @@
-# `make demo` and `make test` each set everything up on a fresh machine with Python 3.11.
+# `make demo`, `make test` and `make test-all` each set everything up on a fresh machine with
+# Python 3.11. `make test` leaves out the tests marked slow (pyproject.toml); `make test-all`,
+# what CI runs, runs them all.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install proto bench clean train-drafter bench-moa
+.PHONY: demo test test-all install proto bench clean train-drafter bench-moa
 
 demo: $(STAMP)
 	$(PY) scripts/demo.py
 
 test: $(STAMP)
+	$(PY) -m mypy
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 

@@ -45,6 +45,26 @@ def isolated_server(tiny_target):
         yield server
 
 
+@pytest.fixture(scope="session")
+def real_q4_target():
+    """The real SmolLM2 in the server's default CPU engine (4-bit), shared by the real-model
+    smoke tests that `make test` runs."""
+    from cloud_server import model_store
+    from cloud_server.target import TargetModel
+
+    path, model_id = model_store.resolve("default")
+    return TargetModel.load(path, model_id, "cpu", weights="q4",
+                            gguf=model_store.gguf_of("default"))
+
+
+@pytest.fixture(scope="session")
+def real_q4_server(real_q4_target):
+    from tests.server_harness import ServerThread
+
+    with ServerThread(real_q4_target) as server:
+        yield server
+
+
 def train_tiny(target, out: Path, steps: int, **settings) -> Path:
     """A drafter trained briefly on the tiny target's own answers to 8 prompts (sub-vocabulary
     head); `settings` are TrainSettings fields."""

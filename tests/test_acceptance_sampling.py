@@ -217,6 +217,7 @@ def test_sampled_drafts_resampling_from_p_miss_target(monkeypatch):
     assert_misses_target(decode_pairs(rule, drafter(Q, pick_iid, 23), TEETH_TRIALS))
 
 
+@pytest.mark.slow
 def test_sampled_drafts_merged_iid_verified_as_iid_miss_target():
     """Teeth: merged i.i.d. draws verified with the i.i.d. rule (q not updated) are biased;
     up to 6 draws a node make merges common enough to show it."""
@@ -309,6 +310,7 @@ def race_pairs(seeds: range, rng: np.random.Generator) -> np.ndarray:
     return counts
 
 
+@pytest.mark.slow
 def test_exponential_race_follows_target_over_seeds():
     assert_follows_target(race_pairs(range(TRIALS), np.random.default_rng(31)))
 
@@ -387,6 +389,7 @@ def decode_pairs_sampled(max_nodes: int, q_sent: Callable[[tuple], tuple],
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [trie_sampled, moa_sampled])
 @pytest.mark.parametrize("max_nodes", [1, 3, 6])
 def test_drafters_sampled_trees_follow_target(max_nodes, build):
@@ -395,6 +398,7 @@ def test_drafters_sampled_trees_follow_target(max_nodes, build):
     assert_follows_target(decode_pairs_sampled(max_nodes, lambda qs: qs, build=build))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("build", [trie_sampled, moa_sampled])
 def test_sampled_trees_sent_with_a_wrong_q_miss_target(build):
     flat = lambda qs: tuple(NodeQ(q.node, q.tokens, (1.0,) * len(q.tokens)) for q in qs)  # noqa: E731
@@ -424,17 +428,20 @@ def deep(q: ToyLM, pick: Picker, seed: int) -> Callable[[tuple[int, ...]], Draft
     return lambda text: grow(q, pick, text, rng, max_depth=3)
 
 
+@pytest.mark.slow
 def test_paced_forwards_mixing_client_and_server_candidates_follow_target():
     propose = paced(deep(Q, pick_top, 40), drafter(Q_FAR, pick_top, 41))
     assert_follows_target(decode_pairs(topk_rule(np.random.default_rng(42)), propose))
 
 
+@pytest.mark.slow
 def test_paced_forwards_with_rerooted_sampled_drafts_follow_target():
     propose = paced(deep(Q, pick_without_replacement, 43), None)
     rule = sampled_rule(Q, np.random.default_rng(44), without_replacement=True)
     assert_follows_target(decode_pairs(rule, propose))
 
 
+@pytest.mark.slow
 def test_a_stale_sampled_draft_verified_without_rerooting_misses_target():
     """Teeth: a draft drawn one token back, verified as if drawn at the text (q of full
     support, so the rule cannot refuse a token instead)."""

@@ -166,6 +166,7 @@ def test_silent_server_hits_the_deadline_not_a_hang():
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow
 def test_server_refuses_a_model_it_cannot_load(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--port", "0",
                            "--model", str(tmp_path / "missing")],
@@ -175,6 +176,7 @@ def test_server_refuses_a_model_it_cannot_load(tmp_path):
     assert proc.stdout == ""
 
 
+@pytest.mark.slow
 def test_any_local_checkpoint_serves_end_to_end(tiny_model_dir):
     """`--model PATH` with a transformers checkpoint the project has never seen."""
     with running_server("--model", str(tiny_model_dir)) as address:

@@ -173,6 +173,7 @@ def one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return found
 
 
+@pytest.mark.slow  # renders with kubectl: make test-all
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_manifests_validate_against_the_kubernetes_schemas(overlay):
     docs = rendered(overlay)
@@ -182,6 +183,7 @@ def test_manifests_validate_against_the_kubernetes_schemas(overlay):
         kubernetes_validate.validate(doc, version, strict=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlay", sorted(OVERLAYS))
 def test_manifests_match_the_server(overlay):
     docs = rendered(overlay)

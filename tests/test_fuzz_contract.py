@@ -3,8 +3,9 @@ against a real server on the tiny model, with a healthy generation running besid
 every sequence of client messages, however malformed (bad parents, huge or negative ids, NaN and
 negative q, unknown enum values, opens after closes, resumes of unknown sessions, wrong round and
 base lengths), ends with a clear status, never INTERNAL, UNKNOWN or a hang; the healthy text
-stays exact; no session is left once the orphans' idle timeout has passed. The long run is
-`python -m benchmarks.reliability` (ten thousand cases and more)."""
+stays exact; no session is left once the orphans' idle timeout has passed. `make test` runs a
+small draw, `make test-all` the full one; the long run is `python -m benchmarks.reliability`
+(ten thousand cases and more)."""
 from __future__ import annotations
 
 import time
@@ -16,7 +17,8 @@ from shared.messages import Limits
 from testkit.fuzzing import HEALTHY_PROMPT, Healthy, Tally, fuzz, mutated, sequences
 from tests.server_harness import ServerThread
 
-EXAMPLES = 300
+# Cases per test: a small draw in `make test`, the full one in `make test-all` (marked slow).
+EXAMPLES = [pytest.param(40, id="small"), pytest.param(300, id="full", marks=pytest.mark.slow)]
 IDLE_TIMEOUT_S = 2
 HEALTHY_TOKENS = 24
 
@@ -35,17 +37,18 @@ def fuzz_server(tiny_target):
         yield server
 
 
-def test_fuzzed_message_sequences_get_clear_statuses(fuzz_server, tiny_target):
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_fuzzed_message_sequences_get_clear_statuses(fuzz_server, tiny_target, examples):
     tally = Tally()
     healthy = Healthy(fuzz_server.address, HEALTHY_TOKENS)
     healthy.start()
     try:
-        fuzz(fuzz_server.address, sequences, EXAMPLES, tally)
+        fuzz(fuzz_server.address, sequences, examples, tally)
     finally:
         healthy.stop.set()
         healthy.join(60)
     print(f"fuzzed {tally.sequences} sequences, {tally.messages} messages: {tally.summary()}")
-    assert tally.sequences >= EXAMPLES and tally.codes["OK"] > 0
+    assert tally.sequences >= examples and tally.codes["OK"] > 0
     assert not internal_errors(fuzz_server), "the server failed internally"
     assert healthy.outputs and all(o == plain_greedy(tiny_target, HEALTHY_PROMPT, HEALTHY_TOKENS)
                                    for o in healthy.outputs)
@@ -54,9 +57,10 @@ def test_fuzzed_message_sequences_get_clear_statuses(fuzz_server, tiny_target):
     assert len(fuzz_server.service.sessions) == 0, "a session outlived its idle timeout"
 
 
-def test_mutated_wire_bytes_get_clear_statuses(fuzz_server):
+@pytest.mark.parametrize("examples", EXAMPLES)
+def test_mutated_wire_bytes_get_clear_statuses(fuzz_server, examples):
     tally = Tally()
-    fuzz(fuzz_server.address, mutated(), EXAMPLES, tally)
+    fuzz(fuzz_server.address, mutated(), examples, tally)
     print(f"mutated: {tally.summary()}")
     assert tally.codes["INVALID_ARGUMENT"] > 0
     assert not internal_errors(fuzz_server), "the server failed internally"

@@ -132,21 +132,10 @@ def test_gguf_blocks_are_the_checkpoints_weights(tmp_path, monkeypatch):
     assert np.array_equal(blocks["lm_head"].dense(), state["model.embed_tokens.weight"].numpy())
 
 
-@pytest.fixture(scope="module")
-def real_q4_target():
-    from cloud_server import model_store
-
-    path, model_id = model_store.resolve("default")
-    return TargetModel.load(path, model_id, "cpu", weights="q4",
-                            gguf=model_store.gguf_of("default"))
-
-
-@pytest.mark.slow
-def test_real_model_split_equals_plain_through_the_engine(real_q4_target):
+def test_real_model_split_equals_plain_through_the_engine(real_q4_target, real_q4_server):
     from edge_client.client import ClientOptions, EdgeClient
     from shared import prompt_sets as prompts
     from shared.messages import ChatMessage, OpenRequest
-    from tests.server_harness import ServerThread
 
     texts = [row["prompt"] for name in prompts.SETS for row in prompts.load(name, limit=1)]
     max_new = 40
@@ -156,8 +145,8 @@ def test_real_model_split_equals_plain_through_the_engine(real_q4_target):
             return [await client.generate(OpenRequest(chat=(ChatMessage("user", t),),
                                                       max_new_tokens=max_new)) for t in texts]
 
-    with ServerThread(real_q4_target) as server:
-        results = asyncio.run(go())
+    server = real_q4_server
+    results = asyncio.run(go())
     for text, result in zip(texts, results):
         plain = plain_greedy(real_q4_target, result.prompt_ids, max_new)
         assert result.output_ids == plain, (text[:60], compare(

@@ -13,6 +13,8 @@ import pytest
 
 from testkit.cli_harness import free_port, server_process
 
+pytestmark = pytest.mark.slow  # real processes killed and restarted: make test-all
+
 PROMPT = [5, 6, 7, 8, 5, 6, 7] * 3
 NEW = 160
 
