@@ -32,8 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.FP32.value,
                    help="the target's precision (default fp32: greedy output equal to plain "
                         "decoding token for token; in bf16 near-ties can break the other way "
-                        "between a tree forward and a decode step, README); auto: fp32 on the "
-                        "CPU, bf16 on a GPU")
+                        "between a tree forward and a decode step, docs/usage.md); auto: fp32 "
+                        "on the CPU, bf16 on a GPU")
     p.add_argument("--cpu-linear", choices=("onednn", "stock"), default="onednn",
                    help="CPU linear kernels for --weights fp32: oneDNN (about 2x faster here) "
                         "or PyTorch's default")
@@ -88,7 +88,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "port); off by default")
     p.add_argument("--no-load-wait", action="store_true",
                    help="auto pace: do not wait longer for client drafts while other sessions "
-                        "have work queued (README, Pacing)")
+                        "have work queued (docs/usage.md, Pacing)")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars (the GGUF conversion, the bundle build); a pipe "
                         "gets none either")
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         if (err.name or "").partition(".")[0] not in CLOUD_EXTRA_MODULES:
             raise
         print(f"cloud-server: error: no module '{err.name}': the server needs the cloud "
-              f"extra: pip install 'splitdec[cloud]' (README, Installing one side)",
+              f"extra: pip install 'splitdec[cloud]' (docs/usage.md, Installing one side)",
               file=sys.stderr)
         return 1
 

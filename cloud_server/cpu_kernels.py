@@ -4,13 +4,10 @@ MKL path.
 oneDNN reorders a plain weight into its blocked layout on every call of more than one row, and
 its kernels for one or two rows are slower than its kernel for four to six. So each weight is
 packed once at load time (`_reorder_linear_weight`) and a call of fewer than MIN_ROWS rows is
-padded to MIN_ROWS. Measured side by side on this 2-core machine with one thread
-(docs/performance.md, "Tree sizes, verify cost and sampling"): a decode step of SmolLM2-135M
-54 ms unpacked, 46 ms packed; a tree forward of 4 nodes 1.42x a decode step unpacked, 1.03x
-packed; of 16 nodes 2.05x and 1.68x. The result
-differs from MKL's only by float rounding (~1e-5 relative), the same order as the difference
-between a batched and an unbatched forward; plain decoding with the same kernels is the
-reference the benchmarks compare against.
+padded to MIN_ROWS: a decode step is faster and a small tree costs about one step (results
+log, `sweep` and `verify_cost`). The result differs from MKL's only by float rounding (~1e-5
+relative), the same order as the difference between a batched and an unbatched forward;
+plain decoding with the same kernels is the reference the benchmarks compare against.
 
 The packed copy is taken at load time: the model's weights must not change afterwards, and the
 layers hold one more copy of their weights (the original stays, for tied embeddings and for

@@ -37,8 +37,7 @@ class PacingPolicy:
     # link costs at most this many tokens of forwards, and they are kept for a resume.
     lead: int = 128
     max_lead: int = 256
-    # Token Recycling: in process, tau 2.05 at 16 nodes against prompt lookup's 1.82
-    # (README, "Token Recycling")
+    # Token Recycling: it drafts best of the server's own drafters (results log, `recycle_tau`)
     drafter: DrafterName | None = DrafterName.RECYCLE
     load_wait: bool = True
 
@@ -120,12 +119,10 @@ class Inbox:
 # Serialized and handed to gRPC, its write completed, before the next forward starts, as a
 # server-only generation's is: neither the serializing nor the completion (gRPC's poller thread
 # and then the event loop waking) takes the interpreter lock and the core from the forward.
-# Measured with the server on one core and `pld` on the edge (no rows), from `4g` on, where
-# the session makes server-spec's forwards: with one turn of the loop before the forward
-# instead (the write serialized, then completed during the forward), the server's time per
-# forward averaged 1.011x server-spec's over nine link-runs; with the write completed first,
-# 1.002x over six (docs/performance.md, block 19). A link that does not take the Verdict
-# within this holds nothing back: the outbox then writes it alone.
+# Measured (results log, `latency_s27_moa`): with the write completed first a paced
+# session's time per forward is level with server-spec's, where a write completed during the
+# forward had cost it about 1%. A link that does not take the Verdict within this holds
+# nothing back: the outbox then writes it alone.
 HAND_OFF_S = 0.005
 
 

@@ -61,7 +61,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 (default): off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default): off")
     p.add_argument("--seed", type=int, default=None,
-                   help="makes a sampled answer reproducible (README, Sampling: which rules "
+                   help="makes a sampled answer reproducible (docs/usage.md, Sampling: which rules "
                         "replay from which drafts)")
     p.add_argument("--stop", action="append", default=[], metavar="STRING",
                    help="end the answer with the token that completes STRING (repeatable)")
@@ -105,12 +105,13 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-graphs", action="store_true",
                    help="moa: merge a token drafted twice at one depth into one node and send "
                         "each repeated subtree once (GSD draft graphs); off by default, as "
-                        "measured it does not pay (README)")
+                        "measured it does not pay (results log, draft_graphs)")
     p.add_argument("--race-aware", action="store_true",
                    help="moa, falcon under --acceptance exponential-race: rank each node's "
                         "children by how likely the session's race picks each, from log q and "
                         "the race's noise as fitted on the committed text (ERSD); off by "
-                        "default, as it costs drafting time for little tau (README)")
+                        "default, as it costs drafting time for little tau "
+                        "(results log, moa_tau_gpu)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tls", action="store_true",

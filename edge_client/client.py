@@ -24,10 +24,10 @@ from shared.messages import (
 )
 from shared.sampling import SamplingParams
 
-# The CLI's pace: the server paces and the edge's drafts join (README, "Pacing"). Library
+# The CLI's pace: the server paces and the edge's drafts join (docs/usage.md, "Pacing"). Library
 # callers that leave ClientOptions.pace unset get the server's default (lockstep).
 DEFAULT_PACE = Pace.AUTO
-DEFAULT_DRAFTER = DrafterName.AUTO  # moa when the server offers it (README: measured best)
+DEFAULT_DRAFTER = DrafterName.AUTO  # moa when the server offers it (measured best: moa_tau_gpu)
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,13 @@ class ClientOptions:
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # paced sessions: tokens the server may run ahead; 0: the server's default
     # Paced sessions: tokens past which drafts reach (edge_client/following.py); None: the
-    # measured lag. Off by default: measured, it did not pay (README, "Pacing").
+    # measured lag. Off by default: measured, it did not pay (results log, latency_ahead_gpu).
     draft_ahead: int | None = 0
     # MoA: draft graphs (GSD), a token repeated at one depth drafted once and its subtree sent
-    # once. Off by default: measured, it did not pay (README, "Draft graphs").
+    # once. Off by default: measured, it did not pay (results log, draft_graphs).
     draft_graphs: bool = False
     # MoA, Falcon under exponential-race: rank children by the session's race run on q (ERSD).
-    # Off by default: measured, it lowered tau (README, "Race-aware drafting").
+    # Off by default: little tau for much drafting time (results log, moa_tau_gpu).
     race_aware: bool = False
     server_drafter: str = SERVER_DRAFTER  # what the server drafts with under mode server-spec
 

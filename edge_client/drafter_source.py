@@ -37,7 +37,7 @@ def offered_drafter(info: ServerInfo) -> tuple[DrafterName, ArtifactInfo] | None
 
 def resolve_drafter(name: DrafterName, info: ServerInfo) -> DrafterName:
     """'auto' is the trained drafter the server offers (MoA or Falcon: they measured best,
-    README), else pld; any other name stays as it is."""
+    results log `moa_tau_gpu`), else pld; any other name stays as it is."""
     if name is not DrafterName.AUTO:
         return name
     offered = offered_drafter(info)
@@ -45,7 +45,7 @@ def resolve_drafter(name: DrafterName, info: ServerInfo) -> DrafterName:
 
 
 def sampling_acceptance(name: DrafterName) -> AcceptanceMode:
-    """The rule a drafter drafts best for under sampling (README, benchmarks/sampling.py).
+    """The rule a drafter drafts best for under sampling (results log, `sampling`).
     'auto' has none until `resolve_drafter` names a drafter (EdgeClient.options)."""
     if name is DrafterName.AUTO:
         raise ValueError("'auto' names no drafter yet: build the request from the options of "

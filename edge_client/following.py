@@ -66,10 +66,9 @@ class DraftSpacing:
     Where the link is slow the server commits past every draft before a forward can use it
     (measured on `3g` and `satellite`: in 516 forwards no MoA draft got a token accepted). Each
     draft then only costs the edge CPU, and the rows it drafts from cost the downlink about
-    1 KB a token, ahead of the Verdicts. Resting cut the edge's drafting time there about 4x
-    and the bytes 21-29% (docs/performance.md, "An edge that rests from drafts that come too
-    late"). So after PATIENCE drafts that the server overtook unused on a link too slow for
-    the server to wait for a draft (their first nodes were right, and a faster link would
+    1 KB a token, ahead of the Verdicts; resting cut both (results log, `latency_rested`). So
+    after PATIENCE drafts that the server overtook unused on a link too slow for the server
+    to wait for a draft (their first nodes were right, and a faster link would
     have had them accepted; a draft wrong from its first node says nothing of the link) the
     edge rests: it lets FIRST_REST chances pass, doubling with every probe overtaken too up
     to MAX_REST, then probes with a draft from what it holds. A rest ends only when a draft

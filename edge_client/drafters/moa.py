@@ -90,7 +90,7 @@ class _Candidates:
 
 class MoaDrafter:
     name = DrafterName.MOA
-    # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
+    # The rule it drafts best for under sampling, measured (results log, `sampling`).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
     semi_autoregressive = False  # bundles with config "block" > 1 are FalconDrafter's
 

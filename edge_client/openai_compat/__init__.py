@@ -1,2 +1,2 @@
 """`edge-client serve`: an OpenAI-compatible HTTP endpoint on the laptop, backed by split
-decoding (README, "An OpenAI-compatible endpoint")."""
+decoding (docs/usage.md, "An OpenAI-compatible endpoint")."""

@@ -52,7 +52,7 @@ class _Counts:
 
 class AdedDrafter(TextDrafter):
     name = DrafterName.ADED
-    # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
+    # The rule it drafts best for under sampling, measured (results log, `sampling`).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
     def __init__(self, max_depth: int = 10, top_k: int = 4, forget: float = 0.997,

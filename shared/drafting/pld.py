@@ -29,7 +29,7 @@ class PromptLookupDrafter(TextDrafter):
     """
 
     name = DrafterName.PLD
-    # The rule it drafts best for under sampling, measured (README, benchmarks/sampling.py).
+    # The rule it drafts best for under sampling, measured (results log, `sampling`).
     sampling_acceptance = AcceptanceMode.TOPK_DRAFTS
 
     def __init__(self, max_ngram: int = 3, max_matches: int = 8, max_depth: int = 10,

@@ -1,8 +1,7 @@
 """A token trie that merges scored draft sequences and keeps the best nodes as one DraftTree.
 
 Shared by the training-free drafters (docs/architecture.md, Drafters): they find candidate continuations,
-the trie merges common prefixes so a shared prefix is drafted once (docs/performance.md, after
-Graph-structured SD), and EAGLE-2's rule keeps the `max_nodes` highest-scored nodes. It knows
+the trie merges common prefixes so a shared prefix is drafted once, and EAGLE-2's rule keeps the `max_nodes` highest-scored nodes. It knows
 nothing of how the candidates were found.
 """
 from __future__ import annotations
