@@ -3,12 +3,14 @@
 path drafted alone; the server's compacted cache holds the K/V a causal forward computes)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cloud_server.training.boundaries import causal_mask, last_boundary
 from cloud_server.moa.config import MoaConfig
 from cloud_server.moa.layers import additive_mask
 from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv, layer_kv_from_cache
+from cloud_server.moa.target_parts import rms_weight
 from cloud_server.target import keep_path
 from shared.tree import DraftTree
 
@@ -111,3 +113,9 @@ def test_sa_started_from_the_target_computes_its_first_layer(tiny_target):
         mine = edge.sa(edge.embedding[ids], positions, keys, values, causal_mask(len(PROMPT)))
         theirs = tiny_target.model(input_ids=ids, output_hidden_states=True).hidden_states[1]
     torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_a_final_norm_the_drafter_cannot_share_is_refused():
+    """The edge half reproduces an RMSNorm (weight or 1 + weight), not a LayerNorm."""
+    with pytest.raises(ValueError, match="LayerNorm is not an RMSNorm"):
+        rms_weight(torch.nn.LayerNorm(8), 1e-6)

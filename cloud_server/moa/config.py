@@ -75,7 +75,7 @@ class MoaConfig:
                     lsa_stride: int = 2,
                     server_input: ServerInput = ServerInput.LAYER_KV,
                     recurrent: bool = False, block: int = 1) -> "MoaConfig":
-        """Sizes for any Llama-like transformers config (hidden_size, num_*_heads, ...).
+        """Sizes for a transformers decoder config (hidden_size, num_*_heads, ...).
 
         The LSA reads every `lsa_stride`-th layer counting down from the last: on this CPU the
         LSA over all 30 layers of SmolLM2 cost more than the rest of a training step."""
@@ -85,6 +85,9 @@ class MoaConfig:
         kv_width = 2 * kv_heads * head_dim
         layers = config.num_hidden_layers
         rope = getattr(config, "rope_parameters", None) or {}
+        first_type = (getattr(config, "layer_types", None) or [None])[0]
+        if first_type in rope:  # per layer type (Gemma 3): the first layer's, which SA starts as
+            rope = rope[first_type]
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return cls(vocab_size=config.vocab_size, width=config.hidden_size,
                    target_layers=layers, target_kv_width=kv_width,

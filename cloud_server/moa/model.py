@@ -31,6 +31,7 @@ from torch import nn
 
 from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.layers import Attention, RMSNorm, Rotary, SwiGLU
+from cloud_server.moa.target_parts import SharedEnds, layer_weights, shared_ends
 
 
 class Block(nn.Module):
@@ -122,26 +123,27 @@ class EdgeHalf(nn.Module):
     vocab_ids: torch.Tensor
     head: torch.Tensor
 
-    def __init__(self, config: MoaConfig, embedding: torch.Tensor, final_norm: torch.Tensor,
-                 head: torch.Tensor, vocab_ids: torch.Tensor | None = None) -> None:
+    def __init__(self, config: MoaConfig, ends: SharedEnds,
+                 vocab_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         c = config
         self.config = c
+        self.softcap = ends.softcap
         rotary = Rotary(c.head_dim, c.rope_theta)
         self.sa = Block(c.width, c.width, c.heads, c.kv_heads, c.head_dim, c.intermediate,
                         rotary, c.rms_eps)
         self.memory_norm = RMSNorm(c.width, c.rms_eps)
         self.ca = Block(c.width, c.width, c.heads, c.kv_heads, c.head_dim, c.intermediate,
                         rotary, c.rms_eps)
-        self.register_buffer("embedding", embedding.detach(), persistent=False)  # [vocab, width]
-        self.register_buffer("final_norm", final_norm.detach(), persistent=False)  # [width]
+        self.register_buffer("embedding", ends.embedding, persistent=False)  # [vocab, width]
+        self.register_buffer("final_norm", ends.final_norm, persistent=False)  # [width]
         if vocab_ids is None:
             vocab_ids = torch.arange(c.vocab_size)
         if vocab_ids.shape != (c.head_size,):
             raise ValueError(f"vocab_ids has shape {tuple(vocab_ids.shape)}, the config "
                              f"asks for ({c.head_size},)")
         self.register_buffer("vocab_ids", vocab_ids.long(), persistent=bool(c.draft_vocab))
-        head = head.detach()[vocab_ids] if c.draft_vocab else head.detach()
+        head = ends.head[vocab_ids] if c.draft_vocab else ends.head
         self.register_buffer("head", head, persistent=False)  # [head_size, width]
         # recurrent: the previous position's feature joins each token's embedding; zero at
         # first, so training starts from the drafter without it
@@ -153,18 +155,18 @@ class EdgeHalf(nn.Module):
     def from_target(cls, config: MoaConfig, target: Any,
                     vocab_ids: torch.Tensor | None = None) -> "EdgeHalf":
         """Shares the embedding, final norm and LM head of a transformers causal LM, in fp32."""
-        norm = target.model.norm.weight.float()
-        head = target.get_output_embeddings().weight.float()
-        return cls(config, target.get_input_embeddings().weight.float(), norm, head, vocab_ids)
+        return cls(config, shared_ends(target), vocab_ids)
 
     @torch.no_grad()
     def init_from_target(self, target: Any) -> None:
         """Starts SA as a copy of the target's first layer and CA (all but its K/V projections,
         which read the activations, not the residual stream) as a copy of its last layer.
 
-        SA over the token embeddings then computes exactly the target's first layer, and CA
-        starts as a residual update the target's head already understands; training from
-        there learned faster than from random weights on this CPU budget."""
+        For a Llama-shaped target SA over the token embeddings then computes exactly the
+        target's first layer, and CA starts as a residual update the target's head already
+        understands; training from there learned faster than from random weights on this CPU
+        budget. What a Block has no place for (q/k/v biases, q/k norms, post-norms, another
+        MLP activation) is left out: a start, not a copy."""
         layers = target.model.layers
         _copy_layer(self.sa, layers[0], with_kv=True)
         _copy_layer(self.ca, layers[-1], with_kv=False)
@@ -222,8 +224,12 @@ class EdgeHalf(nn.Module):
         return h * torch.rsqrt(variance + self.config.rms_eps) * self.final_norm
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., width] -> [..., head_size]; column j scores token vocab_ids[j]"""
-        return hidden @ self.head.T
+        """hidden: [..., width] -> [..., head_size]; column j scores token vocab_ids[j],
+        soft-capped as the target caps its logits"""
+        logits = hidden @ self.head.T  # [..., head_size]
+        if not self.softcap:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
 
     def forward(self, ids: torch.Tensor, activations: torch.Tensor, sa_mask: torch.Tensor,
                 ca_mask: torch.Tensor) -> torch.Tensor:
@@ -238,23 +244,22 @@ class EdgeHalf(nn.Module):
 
 
 def _copy_layer(block: Block, layer: Any, with_kv: bool) -> None:
-    """Copies a transformers Llama-like decoder layer's weights into a Block of equal sizes
-    (`layer` is any such layer: its submodules are found by name, as transformers names them)."""
-    pairs: list[tuple[torch.Tensor, torch.Tensor]] = [(block.attn_norm.weight, layer.input_layernorm.weight),
-             (block.mlp_norm.weight, layer.post_attention_layernorm.weight),
-             (block.attn.q_proj.weight, layer.self_attn.q_proj.weight),
-             (block.attn.o_proj.weight, layer.self_attn.o_proj.weight),
-             (block.mlp.gate_proj.weight, layer.mlp.gate_proj.weight),
-             (block.mlp.up_proj.weight, layer.mlp.up_proj.weight),
-             (block.mlp.down_proj.weight, layer.mlp.down_proj.weight)]
+    """Copies a transformers decoder layer's weights (target_parts.layer_weights) into a Block
+    of equal sizes."""
+    attn = block.attn
+    theirs = layer_weights(layer, attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0],
+                           block.attn_norm.eps)
+    mine = {"attn_norm": block.attn_norm.weight, "mlp_norm": block.mlp_norm.weight,
+            "q_proj": attn.q_proj.weight, "o_proj": attn.o_proj.weight,
+            "gate_proj": block.mlp.gate_proj.weight, "up_proj": block.mlp.up_proj.weight,
+            "down_proj": block.mlp.down_proj.weight}
     if with_kv:
-        pairs += [(block.attn.k_proj.weight, layer.self_attn.k_proj.weight),
-                  (block.attn.v_proj.weight, layer.self_attn.v_proj.weight)]
-    for mine, theirs in pairs:
-        if mine.shape != theirs.shape:
-            raise ValueError(f"cannot start from the target's layer: {tuple(mine.shape)} vs "
-                             f"{tuple(theirs.shape)}")
-        mine.copy_(theirs.float())
+        mine |= {"k_proj": attn.k_proj.weight, "v_proj": attn.v_proj.weight}
+    for name, tensor in mine.items():
+        if tensor.shape != theirs[name].shape:
+            raise ValueError(f"cannot start from the target's layer: {name} "
+                             f"{tuple(tensor.shape)} vs {tuple(theirs[name].shape)}")
+        tensor.copy_(theirs[name].float())
 
 
 def layer_kv_from_cache(cache, layers: tuple[int, ...], start: int, end: int) -> torch.Tensor:
