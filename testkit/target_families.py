@@ -27,7 +27,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                                     max_window_layers=1)),
     "qwen3": ("Qwen3", dict(head_dim=32)),
     "mistral": ("Mistral", dict(sliding_window=WINDOW)),
-    "gemma2": ("Gemma2", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16)),
+    "gemma2": ("Gemma2", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16,
+                              final_logit_softcapping=2.0)),  # within the tiny logits' range
     "gemma3": ("Gemma3Text", dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=16)),
     "phi3": ("Phi3", dict(sliding_window=WINDOW)),
 }
