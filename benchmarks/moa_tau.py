@@ -191,6 +191,9 @@ def main() -> None:
                    help="where the target runs (the edge drafter always runs on the CPU)")
     p.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
                    help="the target's precision")
+    p.add_argument("--weights", choices=("fp32", "q4"), default="fp32",
+                   help="the target's weights (cloud-server --weights): q4 runs the GGUF's "
+                        "4-bit blocks, whose activations the drafter then reads")
     p.add_argument("--name", default="moa_tau", help="results file stem")
     args = p.parse_args()
     for entry in args.drafters.split(","):
@@ -273,8 +276,9 @@ def run(args: argparse.Namespace) -> None:
     from cloud_server.reference import compare, plain_greedy
     from cloud_server.target import TargetModel
 
+    gguf = model_store.gguf_of(model_store.DEFAULT_SPEC) if args.weights == "q4" else None
     target = TargetModel.load(*model_store.resolve("default"), args.device,
-                              precision=args.dtype)
+                              precision=args.dtype, weights=args.weights, gguf=gguf)
     tested = contenders(args, target)
     greedy = args.temperature == 0
     for name in evaluation.SETS:
