@@ -82,7 +82,9 @@ class OnnxEngine:
         self.shape = shape
         self._weights = weights
         # looked up in numpy: a torch op would wake torch's threads between two runs
-        self._table = embedding.weight.detach().float().numpy()
+        table = embedding.weight
+        assert isinstance(table, torch.Tensor)
+        self._table = table.detach().float().numpy()
         self._threads = threads
         self._consts: dict[str, Any] = {}
         self._graphs: dict[int, ort.InferenceSession] = {}

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ def shared_ends(target: Any) -> SharedEnds:
 
 
 @torch.no_grad()
-def embedding_table(embed: nn.Module) -> torch.Tensor:
+def embedding_table(embed: Any) -> torch.Tensor:
     """What the embedding module outputs for every id: [vocab, width] fp32. Its weight itself
     where the module returns its rows as they are (in fp32 the target's storage, not a copy)."""
     weight = embed.weight  # [vocab, width]
@@ -52,7 +51,7 @@ def embedding_table(embed: nn.Module) -> torch.Tensor:
 
 
 @torch.no_grad()
-def rms_weight(norm: nn.Module, eps: float) -> torch.Tensor:
+def rms_weight(norm: Any, eps: float) -> torch.Tensor:
     """w of an RMSNorm module, norm(x) = x / rms(x) * w: its `weight` (Llama) or 1 + weight
     (Gemma), told apart by running it on random rows; [width] fp32."""
     weight = norm.weight.detach().float()  # [width]
