@@ -233,18 +233,24 @@ class DecodeStream:
         return wire.join_parts([*parts, msg])
 
     async def _write_after_the_last(self, raw: pb.ClientMessage) -> None:
+        """Writes once a write a cancelled caller left has ended: the call takes one at a
+        time."""
         if self._write is not None:
             await asyncio.shield(self._write)
         self._write = _unobserved(self._call.write(raw))
         await asyncio.shield(self._write)
         self._write = None
 
-    async def _recv_one(self, timeout_s: float | None) -> ServerMessage:
-        timeout_s = timeout_s or self._round_timeout_s
+    def _next_read(self) -> asyncio.Future:
+        """The read a cancelled caller left, or a new one."""
         if self._read is None:
             self._read = _unobserved(self._call.read())
+        return self._read
+
+    async def _recv_one(self, timeout_s: float | None) -> ServerMessage:
+        timeout_s = timeout_s or self._round_timeout_s
         try:
-            raw = await asyncio.wait_for(asyncio.shield(self._read), timeout_s)
+            raw = await asyncio.wait_for(asyncio.shield(self._next_read()), timeout_s)
         except asyncio.TimeoutError:
             self.cancel()
             raise ServerUnreachable(f"the server at {self._address} did not answer within "
@@ -288,10 +294,8 @@ class DecodeStream:
             await self.send(CloseRequest(), timeout_s)
             await self._call.done_writing()
             while True:
-                if self._read is None:
-                    self._read = _unobserved(self._call.read())
                 try:
-                    raw, self._read = await self._read, None
+                    raw, self._read = await self._next_read(), None
                 except grpc.aio.AioRpcError:  # the call ended: the session ends with it
                     return
                 if raw is grpc.aio.EOF:
