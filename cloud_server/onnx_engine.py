@@ -16,6 +16,7 @@ agree up to near-ties, as fp32 does (docs/usage.md, `--weights`).
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,7 +28,11 @@ from transformers import DynamicCache
 from cloud_server import block_weights, onnx_llama
 from cloud_server.kv_cache import ReservedLayer
 
-MOST_SESSIONS = 8  # sessions one graph takes; a larger batch runs as several forwards
+# Sessions a graph takes: a batch runs on the smallest that holds it, padded with one-token
+# sessions whose results are dropped; a larger one runs as several forwards. A graph is built
+# when first needed (seconds, more for more sessions), so few sizes mean few such stalls.
+BUCKETS = (1, 2, 4, 8)
+MOST_SESSIONS = BUCKETS[-1]
 NEG = np.float32(np.finfo(np.float32).min)
 
 
@@ -116,31 +121,35 @@ class OnnxEngine:
 
     def _run(self, jobs: Sequence[Any], capture: tuple[int, ...]) -> None:
         s = self.shape
-        lengths = [len(job.ids) for job in jobs]
+        sessions = next(size for size in BUCKETS if size >= len(jobs))
+        padded = [*jobs, *[PAD] * (sessions - len(jobs))]
+        lengths = [len(job.ids) for job in padded]
         # A one-row product takes another kernel, which rounds differently; a lone token runs
         # beside a copy of itself, so a decoding step computes what a tree forward does.
         twin = lengths == [1]
         offsets = np.cumsum([0] + lengths)
-        ids = np.array([t for job in jobs for t in job.ids] * (1 + twin))
+        ids = np.array([t for job in padded for t in job.ids] * (1 + twin))
         feed: dict[str, np.ndarray] = {
             "embeds": self._table[ids],
-            "positions": np.concatenate([job.positions for job in jobs] * (1 + twin)),
+            "positions": np.concatenate([job.positions for job in padded] * (1 + twin)),
             "keep": np.concatenate([o + np.array(job.rows, dtype=np.int64)
-                                    for o, job in zip(offsets, jobs)])}
-        if len(jobs) > 1:
+                                    for o, job in zip(offsets, padded)])}
+        if sessions > 1:
             feed["lengths"] = np.array(lengths, dtype=np.int64)
-        for b, job in enumerate(jobs):
+        for b, job in enumerate(padded):
             feed.update(self._session_inputs(job, b, twin))
         names = (["logits"] + [f"new_{kv}_{i}" for i in range(s.layers) for kv in "kv"]
                  + [f"hidden_{i}" for i in capture])
-        out = dict(zip(names, self._graph(len(jobs)).run(names, feed)))
+        out = dict(zip(names, self._graph(sessions).run(names, feed)))
+        real = offsets[len(jobs)]  # the rows of the jobs, before the padding
         logits = torch.from_numpy(out["logits"]).split([len(job.rows) for job in jobs])
-        hidden = (torch.from_numpy(np.stack([out[f"hidden_{i}"][: offsets[-1]] for i in capture],
-                                            axis=1)).split(lengths) if capture else None)
+        hidden = (torch.from_numpy(np.stack([out[f"hidden_{i}"][:real] for i in capture],
+                                            axis=1)).split(lengths[: len(jobs)])
+                  if capture else None)
         for b, job in enumerate(jobs):
             job.logits = logits[b]
             job.hidden = hidden[b] if hidden is not None and job.capture else None
-        spans = list(zip(offsets[:-1], offsets[1:]))
+        spans = list(zip(offsets[: len(jobs)], offsets[1: len(jobs) + 1]))
         for i in range(s.layers):
             keys, values = out[f"new_k_{i}"], out[f"new_v_{i}"]
             for job, (start, end) in zip(jobs, spans):
@@ -152,7 +161,8 @@ class OnnxEngine:
         runs twice, the copy seeing what the token sees."""
         s = self.shape
         pasts = [_buffers(job.cache, i, s) for i in range(s.layers)]
-        cached, room, new = job.cache.get_seq_length(), pasts[0][0].shape[1], len(job.ids)
+        cached = 0 if job.cache is None else job.cache.get_seq_length()
+        room, new = pasts[0][0].shape[1], len(job.ids)
         allowed = (job.allowed if job.allowed is not None
                    else np.tri(new, cached + new, cached, dtype=bool))  # [new, cached + new]
         mask = np.full((new + twin, room + new + twin), NEG, dtype=np.float32)
@@ -175,16 +185,30 @@ def _append(cache: DynamicCache, layer: int, keys: np.ndarray, values: np.ndarra
         cache.update(torch.from_numpy(keys)[None], torch.from_numpy(values)[None], layer)
 
 
-def _buffers(cache: DynamicCache, layer: int, s: onnx_llama.LlamaShape
+@dataclass(frozen=True)
+class _Padding:
+    """A one-token session with nothing cached that fills a graph's unused session slot."""
+
+    ids: tuple[int, ...] = (0,)
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
+    rows: tuple[int, ...] = ()
+    allowed: None = None
+    cache: None = None
+
+
+PAD = _Padding()
+
+
+def _buffers(cache: DynamicCache | None, layer: int, s: onnx_llama.LlamaShape
              ) -> tuple[np.ndarray, np.ndarray]:
     """A layer's keys (fp32) and values (double) [kv_heads, room, head_dim], without copying
-    where it can."""
-    entry = cache.layers[layer]
+    where it can; empty for a padding session."""
+    entry = None if cache is None else cache.layers[layer]
     stored = entry.arrays() if isinstance(entry, ReservedLayer) else None
     if stored is not None:
         return stored
     keys, values = getattr(entry, "keys", None), getattr(entry, "values", None)
-    if keys is None or values is None or not cache.get_seq_length(layer):
+    if cache is None or keys is None or values is None or not cache.get_seq_length(layer):
         return (np.zeros((s.kv_heads, 0, s.head_dim), dtype=np.float32),
                 np.zeros((s.kv_heads, 0, s.head_dim), dtype=np.float64))
     return keys[0].contiguous().numpy(), values[0].contiguous().numpy()
