@@ -59,9 +59,11 @@ def real_q4_target():
 
 @pytest.fixture(scope="session")
 def real_q4_server(real_q4_target):
+    """Trees of at most 32 nodes: the startup calibration then stops at 32, not 128."""
+    from shared.messages import Limits
     from tests.server_harness import ServerThread
 
-    with ServerThread(real_q4_target) as server:
+    with ServerThread(real_q4_target, Limits(max_tree_nodes=32)) as server:
         yield server
 
 

@@ -188,6 +188,7 @@ def test_topk_drafts_follow_target():
                                        drafter(Q, pick_top, 11)))
 
 
+@pytest.mark.slow
 def test_topk_drafts_without_renormalising_miss_target(monkeypatch):
     """Teeth: accepting later candidates with the unrenormalised p(x) under-weights them."""
     def zero_only(probs: np.ndarray, token: int) -> np.ndarray:
@@ -203,7 +204,8 @@ def test_topk_drafts_without_renormalising_miss_target(monkeypatch):
 @pytest.mark.parametrize("q, pick, without_replacement", [
     (Q_FAR, pick_iid, False),
     (Q, pick_without_replacement, True),
-    (Q, pick_iid_merged, True),  # merged i.i.d. draws are draws without replacement
+    # merged i.i.d. draws are draws without replacement
+    pytest.param(Q, pick_iid_merged, True, marks=pytest.mark.slow),
 ], ids=["iid", "without-replacement", "iid-merged"])
 def test_sampled_drafts_follow_target(q, pick, without_replacement):
     rule = sampled_rule(q, np.random.default_rng(20), without_replacement)
@@ -315,6 +317,7 @@ def test_exponential_race_follows_target_over_seeds():
     assert_follows_target(race_pairs(range(TRIALS), np.random.default_rng(31)))
 
 
+@pytest.mark.slow
 def test_exponential_race_with_noise_shared_across_positions_misses_target(monkeypatch):
     """Teeth: one race for every position correlates the tokens."""
     monkeypatch.setattr(acceptance, "race_noise",

@@ -113,7 +113,7 @@ def alone(target, request: OpenRequest, drafter: DrafterName | None) -> list[int
     return [t for v in run.verdicts for t in v.tokens]
 
 
-@pytest.mark.parametrize("drafter", [None, DrafterName.PLD])
+@pytest.mark.parametrize("drafter", [pytest.param(None, marks=pytest.mark.slow), DrafterName.PLD])
 def test_greedy_sessions_together_write_what_each_writes_alone(tiny_target, drafter):
     requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=24 + 8 * i)
                 for i, p in enumerate(prompts(5))]
@@ -122,8 +122,9 @@ def test_greedy_sessions_together_write_what_each_writes_alone(tiny_target, draf
     assert together == [alone(tiny_target, r, drafter) for r in requests]
 
 
-@pytest.mark.parametrize("mode", [AcceptanceMode.TOPK_DRAFTS, AcceptanceMode.SAMPLED_DRAFTS,
-                                  AcceptanceMode.EXPONENTIAL_RACE])
+@pytest.mark.parametrize("mode", [  # one rule in make test, the others in make test-all
+    AcceptanceMode.TOPK_DRAFTS, pytest.param(AcceptanceMode.SAMPLED_DRAFTS, marks=pytest.mark.slow),
+    pytest.param(AcceptanceMode.EXPONENTIAL_RACE, marks=pytest.mark.slow)])
 def test_seeded_sampling_together_writes_what_it_writes_alone(tiny_target, mode):
     requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=32, acceptance=mode,
                             sampling=SamplingParams(temperature=0.8, seed=100 + i))
@@ -194,6 +195,7 @@ def test_one_sessions_error_leaves_the_others_running(tiny_target):
     assert generated == alone(tiny_target, good, None)
 
 
+@pytest.mark.slow  # fp32 is the one the server runs by default: make test-all checks these
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_a_half_precision_target_batches_and_speculates_like_its_plain_decoding(
         tiny_model_dir, precision):

@@ -154,6 +154,7 @@ def test_ask_and_batch_against_real_server(tmp_path):
     assert "outside" in records["d"]["error"]
 
 
+@pytest.mark.slow
 def test_silent_server_hits_the_deadline_not_a_hang():
     """A peer that accepts TCP and never answers: the client gives up at its deadline."""
     with socket.socket() as listener:

@@ -18,7 +18,7 @@ from testkit.fuzzing import HEALTHY_PROMPT, Healthy, Tally, fuzz, mutated, seque
 from tests.server_harness import ServerThread
 
 # Cases per test: a small draw in `make test`, the full one in `make test-all` (marked slow).
-EXAMPLES = [pytest.param(40, id="small"), pytest.param(300, id="full", marks=pytest.mark.slow)]
+EXAMPLES = [pytest.param(24, id="small"), pytest.param(300, id="full", marks=pytest.mark.slow)]
 IDLE_TIMEOUT_S = 2
 HEALTHY_TOKENS = 24
 

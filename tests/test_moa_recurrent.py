@@ -51,6 +51,7 @@ def drafter_parts(tiny_target, tiny_recurrent_dir):
     return edge, fusion, server
 
 
+@pytest.mark.slow
 def test_training_passes_equal_drafting_step_by_step(tiny_target, tiny_recurrent_dir):
     """Pass k of unrolled() gives each position what the drafter computes while drafting it
     at depth k; teacher forcing (pass 1 read at depth k) does not."""
@@ -68,6 +69,7 @@ def test_training_passes_equal_drafting_step_by_step(tiny_target, tiny_recurrent
     assert not torch.allclose(depths[0][0, verified + 3], want[verified + 3], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_edge_drafts_equal_the_torch_drafter(tiny_target, tiny_recurrent_dir,
                                              tiny_recurrent_bundle):
     """Greedy chains from the ONNX graphs, with the committed text ending at the verified
@@ -101,6 +103,7 @@ def test_edge_drafts_equal_the_torch_drafter(tiny_target, tiny_recurrent_dir,
                                                                    .argmax()]),)
 
 
+@pytest.mark.slow
 def test_split_decoding_with_a_recurrent_drafter_equals_plain_greedy(
         tiny_target, tiny_recurrent_dir, tiny_recurrent_bundle):
     _, _, server = drafter_parts(tiny_target, tiny_recurrent_dir)

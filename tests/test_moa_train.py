@@ -86,6 +86,7 @@ def test_resume_continues_exactly(tiny_target, samples, tmp_path):
                 tmp_path / "b", stop_ids=(2,)).load_checkpoint()
 
 
+@pytest.mark.slow
 def test_independent_baseline_learns_without_activations(tiny_target, samples, tmp_path):
     """Both students learn; the baseline's memory never touches the server half's output."""
     trainer = Trainer(tiny_target.model, samples, replace(SETTINGS, independent=True), tmp_path,
@@ -99,6 +100,7 @@ def test_independent_baseline_learns_without_activations(tiny_target, samples, t
                                trainer.students[1].edge.embedding[ids])
 
 
+@pytest.mark.slow
 def test_hidden_input_students_learn_from_the_captured_layers(tiny_target, samples, tmp_path):
     """The last-layer and fused students read the target's layer outputs of the same pass;
     they learn, and are written beside the first student under their input's name."""
@@ -163,6 +165,7 @@ def test_cli_refuses_loss_weights_that_train_nothing(tmp_path, weights, capsys):
     assert exit_info.value.code == 2 and "--kl-weight" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_training_prompts_are_not_evaluation_prompts():
     pytest.importorskip("eval_framework")
     from shared import prompt_sets as evaluation

@@ -91,6 +91,7 @@ def test_plain_greedy_runs_through_the_engine(q4_target):
         logits = q4_target.forward_tree(cache, token, DraftTree.chain([]))[0]
 
 
+@pytest.mark.slow
 def test_a_model_the_engine_cannot_run_is_refused_by_name(tmp_path):
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, attention_bias=True)
