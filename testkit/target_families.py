@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import transformers
 
-from testkit.tiny_model import byte_tokenizer
+from testkit.tiny_model import save_sharpened
 
 WINDOW = 8  # sliding window of the tiny checkpoints: prompts in the tests run past it
 COMMON: dict[str, Any] = dict(
@@ -53,10 +53,4 @@ def build_family(name: str, path: Path, seed: int = 0) -> Path:
         model_class = "Gemma3ForCausalLM" if prefix == "Gemma3Text" else f"{prefix}ForCausalLM"
     config = getattr(transformers, config_class)(**COMMON, **overrides)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_class)(config)
-    with torch.no_grad():  # larger weights give peaked, varied next-token distributions
-        for p in model.parameters():
-            p.mul_(4.0) if p.dim() > 1 else None
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+    return save_sharpened(getattr(transformers, model_class)(config), path)

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedModel,
+                          PreTrainedTokenizerFast)
 
 SPECIALS = ["<unk>", "<bos>", "<eos>"]
 CHAT_TEMPLATE = (
@@ -33,7 +34,11 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
                          tie_word_embeddings=True)
-    model = LlamaForCausalLM(config)
+    return save_sharpened(LlamaForCausalLM(config), path)
+
+
+def save_sharpened(model: PreTrainedModel, path: Path) -> Path:
+    """Writes `model`, its matrices scaled up, and the byte-level tokenizer to `path`."""
     with torch.no_grad():  # larger weights give peaked, varied next-token distributions
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else None

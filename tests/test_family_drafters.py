@@ -5,7 +5,6 @@ equal the torch drafter, and split greedy decoding with the drafter's bundle is 
 decoding."""
 from __future__ import annotations
 
-import asyncio
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,15 +18,14 @@ from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.export import MemoryGraph, StepGraph, example_inputs
 from cloud_server.moa.model import EdgeHalf
 from cloud_server.moa.weights import load_drafter
-from cloud_server.reference import compare, plain_greedy
 from cloud_server.target import TargetModel
 from cloud_server.training.data import Sample, answer_batch
 from cloud_server.training.moa import Trainer
 from cloud_server.training.settings import TrainSettings
-from edge_client.client import ClientOptions, EdgeClient
 from edge_client.drafters.moa_bundle import load_manifest
 from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
-from shared.messages import Limits, OpenRequest
+from shared.messages import Limits
+from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.target_families import FAMILIES, build_family
 from tests.conftest import fp32_bundle
 from tests.server_harness import ServerThread
@@ -114,17 +112,5 @@ def test_exported_graphs_equal_the_torch_drafter(target, trained, run, tmp_path)
 def test_split_greedy_with_the_drafter_is_plain_greedy(target, trained, run, student,
                                                        tmp_path, monkeypatch):
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-
-    async def generate(address: str) -> list:
-        async with EdgeClient(address, ClientOptions(run, 16, MAX_NEW)) as client:
-            return [await client.generate(OpenRequest(prompt_ids=tuple(p),
-                                                      max_new_tokens=MAX_NEW))
-                    for p in PROMPTS]
-
     with ServerThread(target, LIMITS, drafter_dir=trained[run][0] / student) as server:
-        results = asyncio.run(generate(server.address))
-    for prompt, result in zip(PROMPTS, results):
-        plain = plain_greedy(target, prompt, MAX_NEW)
-        verdict = compare(target, prompt, result.output_ids, plain)
-        assert verdict.lossless, (prompt, verdict, result.output_ids, plain)
-    assert sum(r.accepted_tokens for r in results) > 0, "no draft was ever accepted"
+        assert_split_greedy_is_plain(target, server.address, run, 16, PROMPTS, MAX_NEW)

@@ -5,20 +5,19 @@ a batched forward gives each session what it gets alone, plain greedy decoding i
 sliding window."""
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from cloud_server.reference import compare, plain_greedy
+from cloud_server.reference import plain_greedy
 from cloud_server.self_check import UnverifiedModel
 from cloud_server.target import TargetModel
-from edge_client.client import ClientOptions, EdgeClient
-from shared.messages import Limits, OpenRequest
+from shared.messages import Limits
 from shared.tree import DraftTree
 from testkit.device_under_test import DEVICE
+from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.target_families import FAMILIES, WINDOW, build_family
 from tests.server_harness import ServerThread
 
@@ -85,20 +84,8 @@ def test_decoding_steps_past_the_window_are_transformers_generate(target):
 def test_split_greedy_is_plain_greedy(target, drafter):
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=64,
                     max_new_tokens=64, max_sessions=4, session_idle_timeout_s=5)
-
-    async def generate(address: str) -> list:
-        async with EdgeClient(address, ClientOptions(drafter, 8, MAX_NEW)) as client:
-            return [await client.generate(OpenRequest(prompt_ids=tuple(p),
-                                                      max_new_tokens=MAX_NEW))
-                    for p in PROMPTS]
-
     with ServerThread(target, limits) as server:
-        results = asyncio.run(generate(server.address))
-    for prompt, result in zip(PROMPTS, results):
-        plain = plain_greedy(target, prompt, MAX_NEW)
-        verdict = compare(target, prompt, result.output_ids, plain)
-        assert verdict.lossless, (prompt, verdict, result.output_ids, plain)
-    assert sum(r.accepted_tokens for r in results) > 0, "no draft was ever accepted"
+        assert_split_greedy_is_plain(target, server.address, drafter, 8, PROMPTS, MAX_NEW)
 
 
 def test_an_architecture_outside_the_table_loads_when_it_passes_the_self_check(tmp_path):
