@@ -23,11 +23,12 @@ from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.metrics import Metrics
 from cloud_server.model_thread import ModelThread
 from cloud_server.paced_decoder import PacedDecoder
-from cloud_server.pacing import Inbox, Outbox, PacingPolicy, run_paced
+from cloud_server.pacing import PacingPolicy, run_paced
 from cloud_server.server_decoding import ServerDecoder, own_drafter
 from cloud_server.session import Session
 from cloud_server.security import caller
 from cloud_server.session_table import SessionTable
+from cloud_server.stream_buffers import Inbox, Outbox
 from cloud_server.target import TargetModel
 from shared import wire
 from shared.drafting.budget import Load

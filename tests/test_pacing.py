@@ -1,5 +1,5 @@
-"""Server pacing (cloud_server/pacing.py): the inbox of client drafts, the auto pace's waiting
-rule, and flow control and bad drafts over the wire on the tiny server."""
+"""Server pacing (cloud_server/pacing.py, stream_buffers.py): the inbox of client drafts, the
+auto pace's waiting rule, and flow control and bad drafts over the wire on the tiny server."""
 from __future__ import annotations
 
 import asyncio
@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from cloud_server import pacing
+from cloud_server import stream_buffers
 from cloud_server.pacing import (
-    LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, Forwarded, Inbox, Outbox, PacingPolicy,
-    run_paced,
+    LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, Forwarded, PacingPolicy, run_paced,
 )
+from cloud_server.stream_buffers import Inbox, Outbox
 from shared import wire
 from shared.errors import OutOfOrder
 from shared.messages import ActivationRows, DraftRequest, FinishReason, Pace, Verdict
@@ -326,14 +326,14 @@ def test_a_verdict_is_handed_to_the_stream_before_the_next_forward(monkeypatch):
     write's completion does not interrupt the next forward; a write the link does not take
     holds the session back HAND_OFF_S once, and a writer still busy with it not at all. The
     waits are read from the timeouts the outbox enters, not from a clock a busy machine skews."""
-    monkeypatch.setattr(pacing, "HAND_OFF_S", 0.3)  # far above the loop's jitter on a busy CI
+    monkeypatch.setattr(stream_buffers, "HAND_OFF_S", 0.3)  # far above the loop's jitter on a busy CI
     timeouts: list[asyncio.Timeout] = []
     real_timeout = asyncio.timeout
 
     def recorded(delay: float | None) -> asyncio.Timeout:
         timeouts.append(real_timeout(delay))
         return timeouts[-1]
-    monkeypatch.setattr(pacing.asyncio, "timeout", recorded)
+    monkeypatch.setattr(stream_buffers.asyncio, "timeout", recorded)
 
     async def go():
         written: list[int] = []
