@@ -260,14 +260,14 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
     messages within the message limit, so its first token does not queue behind them on the
     link; the edge's drafter gets every row, in order, and the text is exact. The edge
     acknowledges the rows it holds; with 1 KiB in flight each part waits for that."""
-    from cloud_server import pacing, service
+    from cloud_server import service, stream_buffers
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
     monkeypatch.setattr(service, "ROWS_IN_FLIGHT_BYTES", in_flight)
     acknowledged: list[int] = []
-    real_held = pacing.Outbox.held
-    monkeypatch.setattr(pacing.Outbox, "held", lambda self, rows, paused=False: (
+    real_held = stream_buffers.Outbox.held
+    monkeypatch.setattr(stream_buffers.Outbox, "held", lambda self, rows, paused=False: (
         acknowledged.append(rows), real_held(self, rows, paused))[-1])
     sent = _recording_trailing(monkeypatch)
     added: list[tuple[int, int]] = []  # (start, rows) as the edge's drafter got them
@@ -298,7 +298,7 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
     now and then, pauses the rows, so the server sends none, and answers the Verdicts only
     now and then (the server's lead is far). Its probes earn nothing, so the rows it missed
     never come; those it got came in order, and the text stays exact."""
-    from cloud_server import pacing, service
+    from cloud_server import service, stream_buffers
     from cloud_server.server_decoding import ServerDecoder
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
@@ -315,8 +315,8 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
     monkeypatch.setattr(ServerDecoder, "propose",
                         lambda self, context: Proposal(DraftTree.chain([])))
     answers: list[tuple[int, bool]] = []  # (committed length, rows paused) as received
-    real_put = pacing.Inbox.put
-    monkeypatch.setattr(pacing.Inbox, "put", lambda self, draft, committed: (
+    real_put = stream_buffers.Inbox.put
+    monkeypatch.setattr(stream_buffers.Inbox, "put", lambda self, draft, committed: (
         answers.append((draft.base_length, draft.rows_paused)),
         real_put(self, draft, committed))[-1])
     added: list[tuple[int, int]] = []
