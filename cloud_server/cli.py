@@ -10,6 +10,7 @@ import asyncio
 import sys
 
 from cloud_server.batching import DEFAULT_MAX_TOKENS
+from cloud_server.config import ServerConfig
 from cloud_server.pacing import PacingPolicy
 from shared.drafting import SERVER_DRAFTERS
 from cloud_server.device import Device, Precision, Weights
@@ -155,8 +156,9 @@ def run(argv: list[str]) -> int:
         target = model_thread.call(TargetModel.load, path, model_id, Device(args.device),
                                    args.cpu_linear == "onednn", Precision(args.dtype),
                                    Weights(args.weights), model_store.gguf_of(args.model))
-        service = build_service(target, limits_from(args), model_thread, drafter_dir,
-                                pacing_from(args), args.kv_budget_mb * 2**20, args.batch_tokens)
+        config = ServerConfig(limits_from(args), drafter_dir, pacing_from(args),
+                              args.kv_budget_mb * 2**20, args.batch_tokens)
+        service = build_service(target, config, model_thread)
         weights = "q4" if target.engine is not None else str(target.model.dtype).split(".")[-1]
         print(f"loaded {model_id} on {target.device} ({weights})", file=sys.stderr, flush=True)
         if args.metrics_port is not None:

@@ -2,18 +2,16 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from cloud_server.artifacts import ArtifactStore
-from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.calibrate import measure_verify_costs
+from cloud_server.config import ServerConfig
 from cloud_server.health_check import SERVICE_NAME
 from cloud_server.drafter_serving import serve_drafter
 from cloud_server.model_thread import ModelThread
-from cloud_server.pacing import PacingPolicy
 from cloud_server.security import Security
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
@@ -33,31 +31,28 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
     ]
 
 
-def build_service(target: TargetModel, limits: Limits, model_thread: ModelThread | None = None,
-                  drafter_dir: Path | None = None, pacing: PacingPolicy = PacingPolicy(),
-                  kv_budget_bytes: int = 0, batch_tokens: int = DEFAULT_MAX_TOKENS
-                  ) -> SplitDecodingService:
+def build_service(target: TargetModel, config: ServerConfig,
+                  model_thread: ModelThread | None = None) -> SplitDecodingService:
     """Measures the verify costs Info reports, loads the MoA drafter when there is one, then
     builds the service. `model_thread` should be the thread that loaded `target` (see
     model_thread.py)."""
     model_thread = model_thread or ModelThread()
-    costs = model_thread.call(measure_verify_costs, target, limits.max_tree_nodes)
+    costs = model_thread.call(measure_verify_costs, target, config.limits.max_tree_nodes)
     print("verify cost: " + ", ".join(f"{n} nodes {ms:.0f} ms" for n, ms in costs),
           file=sys.stderr, flush=True)
     artifacts = ArtifactStore()
     artifacts.add(TOKENIZER_ARTIFACT, ArtifactKind.TOKENIZER, target.tokenizer_json())
     drafter = None
-    if drafter_dir is not None:
-        drafter = model_thread.call(serve_drafter, drafter_dir, target)
+    if config.drafter_dir is not None:
+        drafter = model_thread.call(serve_drafter, config.drafter_dir, target)
         artifacts.add(drafter.artifact, ArtifactKind.DRAFTER_BUNDLE, drafter.bundle)
         print(f"{drafter.artifact} bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
               f"{drafter.width}", file=sys.stderr, flush=True)
-    if batch_tokens and not target.batchable:
+    if config.batch_tokens and not target.batchable:
         print(f"{target.model_id} cannot batch sessions (its attention does not go through "
               "transformers' attention interface): one session per forward", file=sys.stderr,
               flush=True)
-    return SplitDecodingService(target, limits, artifacts, model_thread, costs, drafter,
-                                pacing, kv_budget_bytes, batch_tokens)
+    return SplitDecodingService(target, model_thread, config, artifacts, costs, drafter)
 
 
 async def start(service: SplitDecodingService, host: str, port: int,
@@ -65,7 +60,7 @@ async def start(service: SplitDecodingService, host: str, port: int,
                 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts serving (over TLS when `security` has a certificate); returns the server, the
     bound port and the health servicer."""
-    server = grpc.aio.server(options=server_options(service.limits),
+    server = grpc.aio.server(options=server_options(service.config.limits),
                              interceptors=security.interceptors())
     splitdec_pb2_grpc.add_SplitDecodingServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

@@ -18,12 +18,13 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from cloud_server.artifacts import ArtifactStore
-from cloud_server.batching import DEFAULT_MAX_TOKENS, Batcher
+from cloud_server.batching import Batcher
+from cloud_server.config import ServerConfig
 from cloud_server.drafter_serving import ServedDrafter
 from cloud_server.metrics import Metrics
 from cloud_server.model_thread import ModelThread
 from cloud_server.paced_decoder import PacedDecoder
-from cloud_server.pacing import PacingPolicy, run_paced
+from cloud_server.pacing import run_paced
 from cloud_server.server_decoding import ServerDecoder, own_drafter
 from cloud_server.session import Session
 from cloud_server.security import caller
@@ -36,7 +37,7 @@ from shared.errors import (
     Forbidden, InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
 )
 from shared.messages import (
-    PROTOCOL_VERSION, ActivationRows, CloseRequest, DraftRequest, Limits, OpenRequest, Pace,
+    PROTOCOL_VERSION, ActivationRows, CloseRequest, DraftRequest, OpenRequest, Pace,
     ServerInfo, ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
@@ -132,23 +133,26 @@ def _grpc_status_stream(handler):
 
 
 class SplitDecodingService(pb_grpc.SplitDecodingServicer):
-    def __init__(self, target: TargetModel, limits: Limits, artifacts: ArtifactStore,
-                 model_thread: ModelThread, verify_costs: tuple[tuple[int, float], ...] = (),
-                 drafter: ServedDrafter | None = None, pacing: PacingPolicy = PacingPolicy(),
-                 kv_budget_bytes: int = 0, batch_tokens: int = DEFAULT_MAX_TOKENS):
+    def __init__(self, target: TargetModel, model_thread: ModelThread, config: ServerConfig,
+                 artifacts: ArtifactStore, verify_costs: tuple[tuple[int, float], ...] = (),
+                 drafter: ServedDrafter | None = None):
+        """`verify_costs`: (tree nodes, ms) as measured at start (calibrate.py), for Info;
+        `drafter`: the drafter's server half, when one is served."""
         self.target = target
-        self.pacing = pacing
+        self.config = config
+        self.pacing = config.pacing
         self.drafter = drafter
         self.verify_costs = verify_costs
-        self.limits = limits
+        self.limits = config.limits
         self.artifacts = artifacts
-        self.sessions = SessionTable(limits, kv_budget_bytes=kv_budget_bytes)
+        self.sessions = SessionTable(config.limits, kv_budget_bytes=config.kv_budget_bytes)
         self._model_thread = model_thread
         self._reaper: asyncio.Task | None = None
         self._alone: set[asyncio.Task] = set()  # sessions going on after their stream broke
         self.metrics = Metrics()
         self.metrics.sessions_open.set_function(lambda: len(self.sessions))
-        self.batcher = Batcher(model_thread, target, batch_tokens, self.metrics.forwarded)
+        self.batcher = Batcher(model_thread, target, config.batch_tokens,
+                               self.metrics.forwarded)
 
     def info(self) -> ServerInfo:
         return ServerInfo(

@@ -25,11 +25,12 @@ def tiny_target(tiny_model_dir: Path):
 @pytest.fixture(scope="session")
 def tiny_server(tiny_target):
     from shared.messages import Limits
+    from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=64,
                     max_new_tokens=64, max_sessions=4, session_idle_timeout_s=5)
-    with ServerThread(tiny_target, limits) as server:
+    with ServerThread(tiny_target, ServerConfig(limits)) as server:
         yield server
 
 
@@ -38,10 +39,12 @@ def isolated_server(tiny_target):
     """A tiny server for one module whose tests leave orphaned sessions behind (held for a
     resume until the idle timeout), which must not count against other tests' session limit."""
     from shared.messages import Limits
+    from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
-    with ServerThread(tiny_target, Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
-                                          max_sessions=16, session_idle_timeout_s=5)) as server:
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64, max_sessions=16,
+                    session_idle_timeout_s=5)
+    with ServerThread(tiny_target, ServerConfig(limits)) as server:
         yield server
 
 
@@ -61,9 +64,10 @@ def real_q4_target():
 def real_q4_server(real_q4_target):
     """Trees of at most 32 nodes: the startup calibration then stops at 32, not 128."""
     from shared.messages import Limits
+    from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
-    with ServerThread(real_q4_target, Limits(max_tree_nodes=32)) as server:
+    with ServerThread(real_q4_target, ServerConfig(Limits(max_tree_nodes=32))) as server:
         yield server
 
 

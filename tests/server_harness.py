@@ -3,23 +3,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 
-from cloud_server.pacing import PacingPolicy
+from cloud_server.config import ServerConfig
 from cloud_server.security import Security
 from cloud_server.server import build_service, start
 from cloud_server.target import TargetModel
-from shared.messages import Limits
 
 
 class ServerThread:
     """The server on its own event loop in a daemon thread; `address` is HOST:PORT."""
 
-    def __init__(self, target: TargetModel, limits: Limits = Limits(), port: int = 0,
-                 drafter_dir: Path | None = None, security: Security = Security(),
-                 kv_budget_bytes: int = 0, pacing: PacingPolicy = PacingPolicy()):
-        self.service = build_service(target, limits, drafter_dir=drafter_dir,
-                                     kv_budget_bytes=kv_budget_bytes, pacing=pacing)
+    def __init__(self, target: TargetModel, config: ServerConfig = ServerConfig(), port: int = 0,
+                 security: Security = Security()):
+        self.service = build_service(target, config)
         self._security = security
         self._port = port
         self._loop = asyncio.new_event_loop()

@@ -16,6 +16,7 @@ from edge_client.offline import LinkPolicy, OfflinePolicy
 from shared.messages import Limits, Pace
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from testkit.cli_harness import free_port
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 
@@ -118,7 +119,7 @@ def test_server_restart_rebuilds_the_session_from_history(tiny_target):
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
 
     async def go():
-        first = ServerThread(tiny_target, limits, port).__enter__()
+        first = ServerThread(tiny_target, ServerConfig(limits), port).__enter__()
         with ProxyThread(first.address, slow_link(OutageMode.CUT)) as proxy:
             async with EdgeClient(proxy.address, options(), LINK) as client:
                 task = asyncio.create_task(client.generate(
@@ -126,7 +127,7 @@ def test_server_restart_rebuilds_the_session_from_history(tiny_target):
                 await asyncio.sleep(0.5)
                 await asyncio.to_thread(first.__exit__, None, None, None)
                 await asyncio.sleep(0.5)
-                with ServerThread(tiny_target, limits, port):
+                with ServerThread(tiny_target, ServerConfig(limits), port):
                     return await asyncio.wait_for(task, 60)
 
     result = asyncio.run(go())

@@ -27,6 +27,7 @@ from shared.messages import FinishReason, Limits, OpenRequest, Pace
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 from tests.in_process import split_greedy
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 PROMPT = [1, 46, 47, 48, 49]
@@ -157,7 +158,7 @@ def test_falcon_through_the_server(tiny_target, tiny_falcon_dir, pace, tmp_path,
             return client.options.drafter, [
                 await client.generate(client.options.open_request(prompt_ids=p)) for p in prompts]
 
-    with ServerThread(tiny_target, limits, drafter_dir=tiny_falcon_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_falcon_dir)) as server:
         assert FALCON_ARTIFACT in {a.name for a in server.service.info().artifacts}
         chosen, results = asyncio.run(go("auto"))
         with pytest.raises(LinkError, match="offers the falcon drafter, not moa"):

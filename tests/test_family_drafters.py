@@ -28,6 +28,7 @@ from shared.messages import Limits
 from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.target_families import FAMILIES, build_family
 from tests.conftest import fp32_bundle
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -112,5 +113,6 @@ def test_exported_graphs_equal_the_torch_drafter(target, trained, run, tmp_path)
 def test_split_greedy_with_the_drafter_is_plain_greedy(target, trained, run, student,
                                                        tmp_path, monkeypatch):
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    with ServerThread(target, LIMITS, drafter_dir=trained[run][0] / student) as server:
+    config = ServerConfig(LIMITS, drafter_dir=trained[run][0] / student)
+    with ServerThread(target, config) as server:
         assert_split_greedy_is_plain(target, server.address, run, 16, PROMPTS, MAX_NEW)

@@ -15,6 +15,7 @@ import pytest
 from cloud_server.reference import plain_greedy
 from shared.messages import Limits
 from testkit.fuzzing import HEALTHY_PROMPT, Healthy, Tally, fuzz, mutated, sequences
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 # Cases per test: a small draw in `make test`, the full one in `make test-all` (marked slow).
@@ -33,7 +34,7 @@ def internal_errors(server: ServerThread) -> float:
 def fuzz_server(tiny_target):
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=64,
                     max_new_tokens=64, max_sessions=8, session_idle_timeout_s=IDLE_TIMEOUT_S)
-    with ServerThread(tiny_target, limits) as server:
+    with ServerThread(tiny_target, ServerConfig(limits)) as server:
         yield server
 
 

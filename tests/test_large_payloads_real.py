@@ -14,6 +14,7 @@ from edge_client.link import ServerLink
 from edge_client.server_only import Mode
 from shared.messages import ActivationFormat, Limits, OpenRequest, Opened, Resume, Verdict
 from testkit.device_under_test import DEVICE
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -32,7 +33,7 @@ def served():
     drafter_dir = committed_drafter(target.model_id)
     if drafter_dir is None:
         pytest.skip(f"no MoA drafter committed for {target.model_id}")
-    with ServerThread(target, LIMITS, drafter_dir=drafter_dir) as server:
+    with ServerThread(target, ServerConfig(LIMITS, drafter_dir=drafter_dir)) as server:
         yield target, server
 
 

@@ -21,6 +21,7 @@ from shared.messages import (
 )
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from shared.sampling import SamplingParams
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 PROMPTS = [(1, 46, 47, 48, 49), (1, 52, 53, 54, 55), (1, 60, 61, 62)]
@@ -30,7 +31,7 @@ LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
 
 @pytest.fixture(scope="module")
 def moa_server(tiny_target, tiny_drafter_dir):
-    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
         yield server
 
 
@@ -78,7 +79,7 @@ def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_
 
     monkeypatch.setattr(wire, "client_from_proto", counted)
     limits = Limits(max_tree_nodes=48, max_tree_depth=8, max_new_tokens=64)
-    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server:
         results = run(server.address, ClientOptions("moa", 48, MAX_NEW, pace=pace,
                                                     draft_graphs=True))
     for prompt, result in zip(PROMPTS, results):
@@ -137,7 +138,8 @@ def test_independent_baseline_served_without_activations(tiny_target, tiny_draft
     from cloud_server.training.moa import INDEPENDENT
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir / INDEPENDENT) as server:
+    config = ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir / INDEPENDENT)
+    with ServerThread(tiny_target, config) as server:
         assert server.service.info().activation_width == 0
         results = run(server.address, ClientOptions("moa", 16, MAX_NEW))
     for prompt, result in zip(PROMPTS, results):
@@ -230,7 +232,7 @@ def test_activations_past_the_message_limit_arrive_in_parts(tiny_target, tiny_dr
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
                     max_message_bytes=4096)
     prompt = tuple(range(40, 100))  # 60 rows of fp16 activations: several KiB
-    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server:
         width = server.service.info().activation_width
         assert 60 * width * 2 > limits.max_message_bytes
         result, = run(server.address, ClientOptions("moa", 8, MAX_NEW), prompts=[prompt])
@@ -276,7 +278,7 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
         added.append((start, len(values))), real_add(self, start, values))[-1])
     limits = replace(LIMITS, max_message_bytes=4096)
     prompt = tuple(range(40, 100))
-    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server:
         assert 60 * server.service.info().activation_width * 2 > limits.max_message_bytes
         result, = run(server.address, ClientOptions("moa", 8, MAX_NEW, pace=pace),
                       prompts=[prompt])
@@ -331,7 +333,7 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
         and alone.append(msg.committed_length), real_send(self, context, msg))[-1])
     limits = replace(LIMITS, max_new_tokens=max_new)
     slow = NetworkConditions.symmetric(LinkProfile(delay_ms=25))
-    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server, \
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server, \
             ProxyThread(server.address, slow) as proxy:
         result, = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.SERVER),
                       prompts=[prompt])
@@ -380,7 +382,7 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
         log.append(("rows",)), real_add(self, start, values))[-1])
     limits = replace(LIMITS, max_new_tokens=max_new)
     slow = NetworkConditions.symmetric(LinkProfile(delay_ms=25))
-    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server, \
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server, \
             ProxyThread(server.address, slow) as proxy:
         results = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.SERVER),
                       prompts=prompts)
@@ -463,7 +465,7 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
             stream.cancel()
             return again, rows
 
-    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
         again, rows = asyncio.run(go(server.address))
     assert rows[0].start == 0
     assert sum(len(r.values) for r in rows) >= len(prompt)  # and what the server ran ahead
@@ -493,7 +495,7 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
             stream.cancel()
             return ran
     limits = replace(LIMITS, max_prompt_tokens=1000)
-    with ServerThread(tiny_target, limits, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server:
         assert len(prompt) * server.service.info().activation_width * 2 > 65536
         ran = asyncio.run(go(server))
     acknowledged = len(prompt) + 1  # the prefill's token counts as received
@@ -518,6 +520,6 @@ def test_a_client_that_does_not_read_trailing_rows_gets_them_inside(tiny_target,
             messages = [await stream.recv() for _ in range(3)]
             stream.cancel()
             return messages
-    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
         opened, first, second = asyncio.run(go(server.address))
     assert len(first.activations.values) == len(prompt) and isinstance(second, Verdict)

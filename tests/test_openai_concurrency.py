@@ -17,6 +17,7 @@ from edge_client.openai_compat.requests import ApiError
 from edge_client.openai_compat.serving import Capacity
 from netsim import LinkProfile, NetworkConditions, ProxyThread
 from shared.messages import Limits, Pace
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 from tests.test_openai_compat import serve_and, streamed
 
@@ -28,7 +29,7 @@ LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64, max_sess
 
 @pytest.fixture(scope="module")
 def moa_server(tiny_target, tiny_drafter_dir):
-    with ServerThread(tiny_target, LIMITS, drafter_dir=tiny_drafter_dir) as server:
+    with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
         yield server
 
 
@@ -124,7 +125,7 @@ def test_a_client_that_hangs_up_frees_its_generation_and_server_session(tiny_tar
         await until(lambda: len(server.service.sessions) == 0)
         return await until_admitted(api)
 
-    with ServerThread(tiny_target, LIMITS) as server:
+    with ServerThread(tiny_target, ServerConfig(LIMITS)) as server:
         with ProxyThread(server.address, slow) as proxy:
             after = serve_and(proxy.address, lambda api, base, edge: scenario(server, api),
                               options, Capacity(max_concurrent=1, max_queue=0))

@@ -14,6 +14,7 @@ from cloud_server.pacing import PacingPolicy
 from shared.drafting.base import DrafterName
 from shared.messages import FinishReason, Limits, Pace
 from netsim import LinkProfile, NetworkConditions, ProxyThread
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 from tests.test_split_decoding_tiny import MAX_NEW, PROMPTS
 
@@ -49,7 +50,7 @@ def test_paced_with_the_servers_own_recycled_candidates_equals_plain(tiny_target
     re-rooted drafts, and the text stays plain greedy decoding."""
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
     pacing = PacingPolicy(drafter=DrafterName.RECYCLE)
-    with ServerThread(tiny_target, limits, pacing=pacing) as server:
+    with ServerThread(tiny_target, ServerConfig(limits, pacing=pacing)) as server:
         results = paced_outputs(server.address, "pld", Pace.SERVER)
     for prompt, result in zip(PROMPTS, results):
         plain = plain_greedy(tiny_target, prompt, MAX_NEW)
@@ -63,7 +64,8 @@ def test_client_drafts_join_the_forwards(tiny_target):
     what the client would propose before the draft arrives, and whether the client gets any
     node in first is then a race the test would lose now and then."""
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
-    with ServerThread(tiny_target, limits, pacing=PacingPolicy(drafter=None)) as server:
+    config = ServerConfig(limits, pacing=PacingPolicy(drafter=None))
+    with ServerThread(tiny_target, config) as server:
         results = paced_outputs(server.address, "pld", Pace.AUTO)
     generated = sum(len(r.output_ids) for r in results)
     assert sum(r.accepted_tokens for r in results) > generated // 4

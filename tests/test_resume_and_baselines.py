@@ -116,6 +116,7 @@ def test_an_abandoned_session_is_reaped_after_the_idle_timeout(tiny_target):
     """Its stream gone and no new session arriving, an orphan still goes (with its cache)."""
     import time
 
+    from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
@@ -125,7 +126,7 @@ def test_an_abandoned_session_is_reaped_after_the_idle_timeout(tiny_target):
         async with ServerLink(address) as link:
             await open_and_step(link, 1)
 
-    with ServerThread(tiny_target, limits) as server:
+    with ServerThread(tiny_target, ServerConfig(limits)) as server:
         asyncio.run(abandon(server.address))
         time.sleep(0.2)
         assert len(server.service.sessions) == 1  # held for a resume

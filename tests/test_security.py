@@ -15,6 +15,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import LinkConfig, LinkError
 from edge_client.security import ClientSecurity
 from shared.messages import Limits
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 PROMPT = (5, 6, 7, 8, 5, 6, 7)
@@ -40,7 +41,7 @@ def secure_server(tiny_target, pki):
     security = Security.from_files(str(pki / "cert.pem"), str(pki / "key.pem"),
                                    str(pki / "token"))
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
-    with ServerThread(tiny_target, limits, security=security) as server:
+    with ServerThread(tiny_target, ServerConfig(limits), security=security) as server:
         yield server
 
 
@@ -118,7 +119,7 @@ def mtls_server(tiny_target, pki, mtls):
     security = Security.from_files(str(pki / "cert.pem"), str(pki / "key.pem"), None,
                                    str(mtls / "ca.pem"))
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
-    with ServerThread(tiny_target, limits, security=security) as server:
+    with ServerThread(tiny_target, ServerConfig(limits), security=security) as server:
         yield server
 
 

@@ -101,9 +101,10 @@ def test_bad_input_is_refused_and_server_keeps_serving(tiny_server, case):
 
 
 def test_session_limit_answers_resource_exhausted(tiny_target):
+    from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
-    with ServerThread(tiny_target, Limits(max_sessions=3)) as server:
+    with ServerThread(tiny_target, ServerConfig(Limits(max_sessions=3))) as server:
         assert_limit_refused(server, 3)
 
 
@@ -144,9 +145,10 @@ def test_health_service_reports_serving(tiny_server):
 
 
 def test_idle_session_is_closed(tiny_target):
+    from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
-    with ServerThread(tiny_target, Limits(session_idle_timeout_s=1)) as server:
+    with ServerThread(tiny_target, ServerConfig(Limits(session_idle_timeout_s=1))) as server:
         with grpc.insecure_channel(server.address) as channel:
             feed: queue.Queue = queue.Queue()
             feed.put(open_msg())
@@ -170,6 +172,7 @@ def test_kv_budget_refuses_a_session_that_does_not_fit_then_admits_it(tiny_targe
 
     from edge_client.link import LinkError, ServerLink
     from shared.messages import CloseRequest, Done, OpenRequest, Opened
+    from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
@@ -195,7 +198,8 @@ def test_kv_budget_refuses_a_session_that_does_not_fit_then_admits_it(tiny_targe
             third.cancel()
             return str(refused.value), admitted
 
-    with ServerThread(tiny_target, limits, kv_budget_bytes=need + need // 2) as server:
+    config = ServerConfig(limits, kv_budget_bytes=need + need // 2)
+    with ServerThread(tiny_target, config) as server:
         message, admitted = asyncio.run(go())
     assert "KV cache" in message and "retry" in message
     assert isinstance(admitted, Opened)

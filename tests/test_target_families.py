@@ -19,6 +19,7 @@ from shared.tree import DraftTree
 from testkit.device_under_test import DEVICE
 from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.target_families import FAMILIES, WINDOW, build_family
+from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
 PROMPT = [5, 17, 42, 99, 7, 61, 3, 9, 11, 12, 13, 14, 15]  # past the window
@@ -84,7 +85,7 @@ def test_decoding_steps_past_the_window_are_transformers_generate(target):
 def test_split_greedy_is_plain_greedy(target, drafter):
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=64,
                     max_new_tokens=64, max_sessions=4, session_idle_timeout_s=5)
-    with ServerThread(target, limits) as server:
+    with ServerThread(target, ServerConfig(limits)) as server:
         assert_split_greedy_is_plain(target, server.address, drafter, 8, PROMPTS, MAX_NEW)
 
 
