@@ -21,7 +21,10 @@ RECURRENT_FORMAT = 2
 # a semi-autoregressive (Falcon) drafter's step graph is the same, but its outputs mean the
 # tokens `block` positions on: an edge that predates it would draft garbage with it
 BLOCK_FORMAT = 3
-FORMATS = (BUNDLE_FORMAT, RECURRENT_FORMAT, BLOCK_FORMAT)
+# Target Layer Inference: the step graph's K/V state has more heads (config "tli_layers"); an
+# edge that predates it would size its state by kv_heads and fail at its first draft
+TLI_FORMAT = 4
+FORMATS = (BUNDLE_FORMAT, RECURRENT_FORMAT, BLOCK_FORMAT, TLI_FORMAT)
 MANIFEST_NAME = "bundle.json"
 # the names Info lists a bundle under: the edge picks its drafter by them before fetching
 MOA_ARTIFACT = "drafter-moa"
@@ -73,7 +76,8 @@ class MemoryIO:
 
 class StepIO:
     """The step graph's inputs (queries, their positions, the SA cache, the tree mask, the
-    memory) and outputs (logits, the top-k, the queries' own K/V). A recurrent drafter's graph
+    memory) and outputs (logits, the top-k, the queries' own K/V; with Target Layer Inference
+    the K/V state has more heads: BundleManifest.state_heads). A recurrent drafter's graph
     (config "recurrent") also takes each query's previous position's feature [q, width] and
     returns the queries' own features [q, width], in the activations' space."""
 
@@ -121,6 +125,17 @@ class BundleManifest:
         return int(self.config.get("block", 1))
 
     @property
+    def tli_layers(self) -> int:
+        """The target's last layers the step graph runs after the drafter's (MoaConfig)."""
+        return int(self.config.get("tli_layers", 0))
+
+    @property
+    def state_heads(self) -> int:
+        """Heads of the step graph's K/V state: the Self-Attention's, and as many per target
+        layer it runs (StepIO)."""
+        return int(self.config["kv_heads"]) * (1 + self.tli_layers)
+
+    @property
     def artifact(self) -> str:
         """The name Info lists this bundle under."""
         return FALCON_ARTIFACT if self.block > 1 else MOA_ARTIFACT
@@ -132,7 +147,8 @@ class BundleManifest:
         return self.graphs[precision][graph]
 
     def to_json(self) -> str:
-        data = {"format": (BLOCK_FORMAT if self.block > 1 else
+        data = {"format": (TLI_FORMAT if self.tli_layers else
+                           BLOCK_FORMAT if self.block > 1 else
                            RECURRENT_FORMAT if self.recurrent else BUNDLE_FORMAT),
                 "model_id": self.model_id, "top_k": self.top_k,
                 "config": self.config, "files": self.files,

@@ -78,7 +78,7 @@ def training_chain(edge, ids: list[int], acts: torch.Tensor, steps: int) -> list
         ends = block_ends(length, edge.config.block, length % edge.config.block)
         verified = torch.arange(length)[None, :] < len(acts)
         memory = torch.cat((acts, torch.zeros(length - len(acts), acts.shape[1])))
-        hidden = edge(torch.tensor([ids]), memory[None], relaxed_mask(ends),
+        hidden, _ = edge(torch.tensor([ids]), memory[None], relaxed_mask(ends),
                       additive_mask(verified.expand(length, length))[None, None])
         rows = edge.logits(hidden[0, -edge.config.block:]).argmax(-1)
         ids += [int(edge.vocab_ids[r]) for r in rows]

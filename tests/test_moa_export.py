@@ -117,8 +117,8 @@ def test_manifest_round_trips_and_refuses_what_it_cannot_read(tiny_bundle):
     manifest = load_manifest(tiny_bundle)
     assert BundleManifest.from_json(manifest.to_json()) == manifest
     assert manifest.to_json() == (tiny_bundle / "bundle.json").read_text()  # what was hashed
-    newer = manifest.to_json().replace('"format": 1', '"format": 4')
-    with pytest.raises(BundleError, match=r"format 4 is not one of \(1, 2, 3\)"):
+    newer = manifest.to_json().replace('"format": 1', '"format": 5')
+    with pytest.raises(BundleError, match=r"format 5 is not one of \(1, 2, 3, 4\)"):
         BundleManifest.from_json(newer)
     with pytest.raises(BundleError, match="malformed"):
         BundleManifest.from_json('{"format": 1, "graphs": {"fp64": {}}}')

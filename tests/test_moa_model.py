@@ -36,11 +36,12 @@ def activations(tiny_target, config: MoaConfig, server: ServerHalf, ids: list[in
 def test_sizes_follow_the_target_config(tiny_target):
     config, server, edge = build(tiny_target)
     assert (config.width, config.target_layers, config.target_kv_width) == (64, 2, 64)
-    assert config.lsa_layers == (1,)  # every second layer, ending at the last
+    assert config.lsa_layers == (0, 1)  # every layer, as the paper
+    assert MoaConfig.from_target(tiny_target.model.config, lsa_stride=2).lsa_layers == (1,)
     assert all(not name.startswith(("embedding", "head", "final_norm"))
                for name in edge.state_dict())
     layer_kv = batch_layer_kv(causal_cache(tiny_target, PROMPT), config.lsa_layers)
-    assert layer_kv.shape == (1, len(PROMPT), 1, 64)
+    assert layer_kv.shape == (1, len(PROMPT), 2, 64)
     with torch.no_grad():
         assert server(layer_kv).shape == (1, len(PROMPT), 64)
         assert server(layer_kv[0]).shape == (len(PROMPT), 64)
@@ -66,7 +67,7 @@ def test_incremental_steps_match_whole_sequence(tiny_target):
         acts = activations(tiny_target, config, server, ids)  # [1, T, width]
         b = last_boundary(len(PROMPT), len(ids), every=3, phase=1)  # [T]
         ca = additive_mask(torch.arange(len(ids))[None] <= b[:, None])[None, None]
-        whole = edge(torch.tensor([ids]), acts, causal_mask(len(ids)), ca)[0]  # [T, width]
+        whole = edge(torch.tensor([ids]), acts, causal_mask(len(ids)), ca)[0][0]  # [T, width]
         positions = torch.arange(len(ids))
         sa_k, sa_v = edge.sa_kv(torch.tensor([ids]), positions)  # [1, kvh, T, hd]
         for i in range(len(PROMPT), len(ids)):

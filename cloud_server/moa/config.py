@@ -14,6 +14,9 @@ way one row of the target's width travels per verified token, so the edge half i
 `block` > 1 makes the same network a semi-autoregressive drafter (Falcon, Gao et al. 2025,
 arXiv 2412.12639): a block of `block` tokens that see each other drafts the next `block`
 tokens in one step (cloud_server/training/sar.py).
+`tli_layers` = N > 0 is the paper's Target Layer Inference (section 3.3): the edge half's output
+stands for the target's layer L - N, and the target's own last N layers, frozen, carry it to the
+final norm and head (cloud_server/moa/target_layers.py).
 """
 from __future__ import annotations
 
@@ -67,18 +70,22 @@ class MoaConfig:
     # is verified, else the drafter's own output through the server half (EAGLE's recurrence)
     recurrent: bool = False
     block: int = 1  # tokens drafted per step: 1 the MoA drafter, more Falcon's (module docstring)
+    tli_layers: int = 0  # the target's last layers the edge runs after its own (TLI)
     format_version: int = FORMAT_VERSION
 
     @classmethod
     def from_target(cls, config, intermediate: int | None = None,
                     lsa_intermediate: int | None = None, draft_vocab: int = 0,
-                    lsa_stride: int = 2,
+                    lsa_stride: int = 1,
                     server_input: ServerInput = ServerInput.LAYER_KV,
-                    recurrent: bool = False, block: int = 1) -> "MoaConfig":
+                    recurrent: bool = False, block: int = 1,
+                    tli_layers: int = 0) -> "MoaConfig":
         """Sizes for a transformers decoder config (hidden_size, num_*_heads, ...).
 
-        The LSA reads every `lsa_stride`-th layer counting down from the last: on this CPU the
-        LSA over all 30 layers of SmolLM2 cost more than the rest of a training step."""
+        The LSA reads every `lsa_stride`-th layer counting down from the last; 1, every layer,
+        is the paper's."""
+        if lsa_stride < 1:
+            raise ValueError(f"lsa_stride is at least 1, not {lsa_stride}")
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -100,7 +107,7 @@ class MoaConfig:
                    draft_vocab=draft_vocab if 0 < draft_vocab < config.vocab_size else 0,
                    server_input=server_input,
                    hidden_layers=server_input.hidden_layers(layers), recurrent=recurrent,
-                   block=block)
+                   block=block, tli_layers=tli_layers)
 
     def __post_init__(self) -> None:
         if self.recurrent and (self.server_input is not ServerInput.LAST_HIDDEN
@@ -112,11 +119,38 @@ class MoaConfig:
         if self.block > 1 and self.recurrent:
             raise ValueError("a semi-autoregressive (Falcon) drafter reads verified activations "
                              "only: it cannot also be recurrent")
+        if not 0 <= self.tli_layers < self.target_layers:
+            raise ValueError(f"tli_layers {self.tli_layers}: the target has {self.target_layers} "
+                             "layers, so between 0 and one fewer")
+        if self.tli_layers and (self.recurrent or self.block > 1):
+            raise ValueError("tli_layers: Target Layer Inference runs after a one-token, "
+                             "non-recurrent drafter only")
+        for name in ("lsa_layers", "hidden_layers"):
+            outside = [i for i in getattr(self, name) if not 0 <= i < self.target_layers]
+            if outside:
+                raise ValueError(f"{name} names layers {outside} that a target of "
+                                 f"{self.target_layers} layers lacks")
+
+    def check_target(self, config) -> None:
+        """Refuses a transformers config whose sizes are not the ones this drafter was trained
+        on, naming the first field that differs."""
+        theirs = MoaConfig.from_target(config)
+        for name in ("vocab_size", "width", "target_layers", "target_kv_width", "head_dim"):
+            if getattr(self, name) != getattr(theirs, name):
+                raise ValueError(f"the drafter's {name} is {getattr(self, name)}, the "
+                                 f"target's {getattr(theirs, name)}: train a drafter for it")
 
     @property
     def uses_activations(self) -> bool:
         """Whether the server half runs and the Verdicts carry activations."""
         return self.memory is Memory.ACTIVATIONS
+
+    @property
+    def layer_states(self) -> int:
+        """Layers whose K/V the edge keeps per position: its Self-Attention's and one per
+        target layer it runs (TLI); the step graph's K/V state has kv_heads times as many
+        heads (shared/drafter_bundle.py)."""
+        return 1 + self.tli_layers
 
     @property
     def head_size(self) -> int:

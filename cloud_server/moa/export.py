@@ -13,6 +13,9 @@ Two graphs, batch dimension dropped (the edge drafts one text):
   (the queries' own SA K/V, for the edge to keep or drop). A recurrent drafter's also takes
   features: [q, width] (each query's previous position's feature) and returns own_features:
   [q, width] (the queries' outputs through the server half, fed to their children).
+  With Target Layer Inference (config "tli_layers" = N) the K/V state holds N more layers:
+  past_keys, past_values, keys, values have kv_heads * (1 + N) heads, the Self-Attention's
+  first, then each target layer's in order.
 Knows nothing of how the edge builds trees. Uses torch's TorchScript-based exporter: it needs
 only `onnx`, where the dynamo exporter would pull in onnxscript.
 """
@@ -61,14 +64,22 @@ class StepGraph(nn.Module):
                 mem_values: torch.Tensor,
                 features: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
         """See the module docstring for shapes."""
+        kvh = self.edge.config.kv_heads
         x = self.edge.inputs(ids[None], None if features is None else features[None])
         keys, values = self.edge.sa_kv_of(x, positions)  # [1, kvh, q, hd]
-        all_keys = torch.cat((past_keys[None], keys), dim=2)  # [1, kvh, p + q, hd]
-        all_values = torch.cat((past_values[None], values), dim=2)  # [1, kvh, p + q, hd]
+        all_keys = torch.cat((past_keys[None, :kvh], keys), dim=2)  # [1, kvh, p + q, hd]
+        all_values = torch.cat((past_values[None, :kvh], values), dim=2)  # [1, kvh, p + q, hd]
         mask = additive_mask(allowed)[None, None]  # [1, 1, q, p + q]
         raw = self.edge.raw(x, positions, all_keys, all_values, mask, mem_keys[None],
                             mem_values[None], None)  # [1, q, width]
-        logits = self.edge.logits(self.edge.normed(raw[0]))  # [q, head_size]
+        last = raw
+        if self.edge.tli is not None:  # [1, N * kvh, p, hd] in, [1, N * kvh, q, hd] out
+            last, tli_keys, tli_values = self.edge.tli(raw, positions, mask,
+                                                       past_keys[None, kvh:],
+                                                       past_values[None, kvh:])
+            keys = torch.cat((keys, tli_keys), dim=1)  # [1, kvh * (1 + N), q, hd]
+            values = torch.cat((values, tli_values), dim=1)
+        logits = self.edge.logits(self.edge.normed(last[0]))  # [q, head_size]
         top_logprobs, top_rows = logits.log_softmax(-1).topk(self.top_k, dim=-1)  # [q, k]
         top_ids = self.edge.vocab_ids[top_rows]  # [q, k]: target token ids
         outputs = (logits, top_logprobs, top_ids, keys[0], values[0])
@@ -81,10 +92,11 @@ def example_inputs(edge: EdgeHalf) -> tuple[tuple[torch.Tensor, ...], tuple[torc
     """Small inputs with distinct sizes for every dynamic axis (memory, step)."""
     c = edge.config
     q, p, m = 3, 5, 4
+    heads = c.kv_heads * c.layer_states
     rows = torch.randn(m, c.width) if c.uses_activations else torch.randint(0, c.vocab_size, (m,))
     memory = (rows, torch.arange(m))
     step: tuple[torch.Tensor, ...] = (torch.randint(0, c.vocab_size, (q,)), torch.arange(p, p + q),
-            torch.randn(c.kv_heads, p, c.head_dim), torch.randn(c.kv_heads, p, c.head_dim),
+            torch.randn(heads, p, c.head_dim), torch.randn(heads, p, c.head_dim),
             torch.ones(q, p + q, dtype=torch.bool), torch.randn(c.kv_heads, m, c.head_dim),
             torch.randn(c.kv_heads, m, c.head_dim))
     if c.recurrent:

@@ -1,4 +1,5 @@
-"""Building blocks of the MoA drafter: RMSNorm, RoPE, attention with explicit K/V, SwiGLU.
+"""Building blocks of the MoA drafter: RMSNorm, RoPE, attention with explicit K/V, SwiGLU, and
+the pre-norm block made of them.
 
 Attention here takes its keys and values as tensors rather than owning a cache, so one module
 serves self-attention (K/V from the same tokens), cross-attention (K/V from the activation
@@ -95,6 +96,24 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., width] -> [..., width]"""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """A pre-norm attention + MLP block; K/V come from `memory` (itself for self-attention)."""
+
+    def __init__(self, width: int, memory_width: int, heads: int, kv_heads: int, head_dim: int,
+                 intermediate: int, rotary: Rotary, eps: float) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(width, eps)
+        self.attn = Attention(width, memory_width, heads, kv_heads, head_dim, rotary)
+        self.mlp_norm = RMSNorm(width, eps)
+        self.mlp = SwiGLU(width, intermediate)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """x: [batch, n, width]; keys, values: [batch, kv_heads, m, hd] -> [batch, n, width]"""
+        h = x + self.attn(self.attn_norm(x), positions, keys, values, mask)
+        return h + self.mlp(self.mlp_norm(h))
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

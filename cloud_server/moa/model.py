@@ -30,26 +30,9 @@ import torch
 from torch import nn
 
 from cloud_server.moa.config import MoaConfig, ServerInput
-from cloud_server.moa.layers import Attention, RMSNorm, Rotary, SwiGLU
+from cloud_server.moa.layers import Block, RMSNorm, Rotary
+from cloud_server.moa.target_layers import TargetLayers
 from cloud_server.moa.target_parts import SharedEnds, layer_weights, shared_ends
-
-
-class Block(nn.Module):
-    """A pre-norm attention + MLP block; K/V come from `memory` (itself for self-attention)."""
-
-    def __init__(self, width: int, memory_width: int, heads: int, kv_heads: int, head_dim: int,
-                 intermediate: int, rotary: Rotary, eps: float) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(width, eps)
-        self.attn = Attention(width, memory_width, heads, kv_heads, head_dim, rotary)
-        self.mlp_norm = RMSNorm(width, eps)
-        self.mlp = SwiGLU(width, intermediate)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-                values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """x: [batch, n, width]; keys, values: [batch, kv_heads, m, hd] -> [batch, n, width]"""
-        h = x + self.attn(self.attn_norm(x), positions, keys, values, mask)
-        return h + self.mlp(self.mlp_norm(h))
 
 
 class ServerHalf(nn.Module):
@@ -124,9 +107,14 @@ class EdgeHalf(nn.Module):
     head: torch.Tensor
 
     def __init__(self, config: MoaConfig, ends: SharedEnds,
-                 vocab_ids: torch.Tensor | None = None) -> None:
+                 vocab_ids: torch.Tensor | None = None,
+                 target_layers: TargetLayers | None = None) -> None:
         super().__init__()
         c = config
+        if (target_layers is None) != (c.tli_layers == 0):
+            raise ValueError(f"tli_layers {c.tli_layers}: pass the target's last layers "
+                             "exactly when the config asks for them")
+        self.tli = target_layers  # the target's last layers (TLI), frozen
         self.config = c
         self.softcap = ends.softcap
         rotary = Rotary(c.head_dim, c.rope_theta)
@@ -154,8 +142,14 @@ class EdgeHalf(nn.Module):
     @classmethod
     def from_target(cls, config: MoaConfig, target: Any,
                     vocab_ids: torch.Tensor | None = None) -> "EdgeHalf":
-        """Shares the embedding, final norm and LM head of a transformers causal LM, in fp32."""
-        return cls(config, shared_ends(target), vocab_ids)
+        """Shares the embedding, final norm and LM head of a transformers causal LM, in fp32,
+        and with `config.tli_layers` its last layers."""
+        config.check_target(target.config)
+        layers = None
+        if config.tli_layers:
+            layers = TargetLayers(target, config.tli_layers, config.heads, config.kv_heads,
+                                  config.head_dim, config.rope_theta, config.rms_eps)
+        return cls(config, shared_ends(target), vocab_ids, layers)
 
     @torch.no_grad()
     def init_from_target(self, target: Any) -> None:
@@ -206,7 +200,10 @@ class EdgeHalf(nn.Module):
         ids, positions: [batch, q]/[q]; sa_keys, sa_values: [batch, kv_heads, p, hd] including
         the queries' own (from `sa_kv`); sa_mask: [batch or 1, 1, q, p] additive;
         mem_keys, mem_values: [batch, kv_heads, m, hd]; ca_mask: [batch or 1, 1, q, m] or None
-        (every memory entry visible) -> [batch, q, width], the input of the LM head."""
+        (every memory entry visible) -> [batch, q, width], the input of the LM head (a drafter
+        without TLI, whose head reads its own output)."""
+        if self.tli is not None:
+            raise ValueError("a TLI drafter's queries need the target layers' K/V too")
         return self.normed(self.raw(self.inputs(ids, None), positions, sa_keys, sa_values,
                                     sa_mask, mem_keys, mem_values, ca_mask))
 
@@ -232,15 +229,19 @@ class EdgeHalf(nn.Module):
         return torch.tanh(logits / self.softcap) * self.softcap
 
     def forward(self, ids: torch.Tensor, activations: torch.Tensor, sa_mask: torch.Tensor,
-                ca_mask: torch.Tensor) -> torch.Tensor:
+                ca_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Training: whole sequences at once. ids: [batch, T]; activations: [batch, T, width]
         of the same positions; sa_mask: [1, 1, T, T]; ca_mask: [batch, 1, T, T] (which
-        positions' activations each query may see) -> normed hidden: [batch, T, width]"""
+        positions' activations each query may see) -> the normed hidden state, the head's
+        input, and the drafter's own output (with TLI the state it predicts for the target's
+        layer L - N; else the last one, before the norm): [batch, T, width] each."""
         positions = torch.arange(ids.shape[1], device=ids.device)  # [T]
-        sa_keys, sa_values = self.sa_kv(ids, positions)
+        x = self.inputs(ids, None)
+        sa_keys, sa_values = self.sa_kv_of(x, positions)
         mem_keys, mem_values = self.memory_kv(activations, positions)
-        return self.hidden(ids, positions, sa_keys, sa_values, sa_mask, mem_keys, mem_values,
-                           ca_mask)
+        own = self.raw(x, positions, sa_keys, sa_values, sa_mask, mem_keys, mem_values, ca_mask)
+        last = own if self.tli is None else self.tli(own, positions, sa_mask)[0]
+        return self.normed(last), own
 
 
 def _copy_layer(block: Block, layer: Any, with_kv: bool) -> None:

@@ -55,6 +55,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "to OUT/<input>): kv (per-layer K/V through Layer Self-Attention), last "
                         "(the last layer's output), fused (a low, a middle and the last "
                         "layer's outputs); default %(default)s")
+    p.add_argument("--lsa-stride", type=positive, default=d.lsa_stride, metavar="S",
+                   help="--server-input kv: Layer Self-Attention over every S-th layer's K/V, "
+                        "counting down from the last (default %(default)s: every layer, as the "
+                        "MoA paper)")
+    p.add_argument("--tli-layers", type=int, choices=range(4), default=d.tli_layers,
+                   metavar="N",
+                   help="Target Layer Inference: the drafter predicts the target's state N "
+                        "layers before the last and the edge runs the target's last N layers "
+                        "(0-3; default %(default)s; MoA only, not --recurrent)")
     p.add_argument("--independent", action="store_true",
                    help="also train the paper's Independent baseline on the same batches "
                         "(OUT/independent: the same network reading token embeddings, not "
@@ -97,6 +106,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.recurrent and [i.value for i in args.server_input] != ["last"]:
         p.error("--recurrent needs --server-input last: the drafter feeds its own output back "
                 "where the last layer's output goes")
+    if args.tli_layers and (args.recurrent or args.method == "falcon"):
+        p.error("--tli-layers runs after a one-token drafter that is not --recurrent")
     if args.method == "falcon" and (args.recurrent or args.block < 2):
         p.error("--method falcon drafts --block >= 2 tokens a step from verified activations "
                 "only: it takes no --recurrent")
@@ -157,6 +168,7 @@ def main(argv: list[str]) -> int:
                              draft_vocab=args.draft_vocab, checkpoint_every=args.checkpoint_every,
                              snapshot_every=args.snapshot_every,
                              server_inputs=args.server_input, independent=args.independent,
+                             lsa_stride=args.lsa_stride, tli_layers=args.tli_layers,
                              recurrent=args.recurrent, unroll=args.unroll,
                              depth_weight=args.depth_weight, kl_weight=args.kl_weight,
                              feature_weight=args.feature_weight, seed=args.seed,

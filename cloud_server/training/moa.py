@@ -64,32 +64,45 @@ class Teacher:
     """What one target pass over a batch gives the students."""
 
     target_hidden: torch.Tensor  # [b, T, width], after the final norm: the feature loss's target
-    layer_kv: torch.Tensor | None  # [b, T, L_kv, kv_width] when a student reads K/V
+    layer_kv: dict[int, torch.Tensor]  # layer -> its K/V [b, T, kv_width], for LSA students
     outputs: dict[int, torch.Tensor]  # layer -> its output [b, T, width], for hidden inputs
 
     def server_input(self, config: MoaConfig) -> torch.Tensor:
         """The server half's input of every position: [b, T, L, in_width]."""
         if config.server_input is ServerInput.LAYER_KV:
-            assert self.layer_kv is not None
-            return self.layer_kv
+            return torch.stack([self.layer_kv[i] for i in config.lsa_layers], dim=2)
         return torch.stack([self.outputs[i] for i in config.hidden_layers], dim=2)
+
+    def state_before_tli(self, config: MoaConfig) -> torch.Tensor | None:
+        """The target's state a TLI drafter predicts (its layer L - N - 1's output):
+        [b, T, width]; None for a drafter without TLI."""
+        if not config.tli_layers:
+            return None
+        return self.outputs[_layer_before_tli(config)]
+
+
+def _layer_before_tli(config: MoaConfig) -> int:
+    return config.target_layers - config.tli_layers - 1
 
 
 @torch.no_grad()
 def teacher(target: Any, batch: Batch, configs: list[MoaConfig]) -> Teacher:
     """One forward of the target, keeping what the students' server halves read."""
     reading = [c for c in configs if c.uses_activations]
-    kv_layers = next((c.lsa_layers for c in reading
-                      if c.server_input is ServerInput.LAYER_KV), None)
-    hidden_layers = tuple(sorted({i for c in reading for i in c.hidden_layers}))
+    kv_layers = tuple(sorted({i for c in reading if c.server_input is ServerInput.LAYER_KV
+                              for i in c.lsa_layers}))
+    hidden_layers = tuple(sorted({i for c in reading for i in c.hidden_layers}
+                                 | {_layer_before_tli(c) for c in configs if c.tli_layers}))
     capture = LayerOutputs(target, hidden_layers) if hidden_layers else None
     # every layer's K/V whole: a sliding-window layer's own cache keeps only its window
-    cache = None if kv_layers is None else whole_cache(target.config, in_place=False)
+    cache = whole_cache(target.config, in_place=False) if kv_layers else None
     with capture or nullcontext():
         out = target.model(input_ids=batch.ids, attention_mask=batch.attention,
                            past_key_values=cache, use_cache=cache is not None)
-    layer_kv = (None if kv_layers is None
-                else batch_layer_kv(out.past_key_values, kv_layers).float())
+    layer_kv = {}
+    if kv_layers:
+        stacked = batch_layer_kv(out.past_key_values, kv_layers).float()  # [b, T, L, kv_width]
+        layer_kv = {layer: stacked[:, :, slot] for slot, layer in enumerate(kv_layers)}
     outputs = {}
     if capture is not None:
         stacked = capture.stacked().float()  # [b, T, L, width]
@@ -152,32 +165,45 @@ class Student:
         self.edge.load_state_dict(state["edge"])
 
 
+def settings_variants(target_config: Any, settings: TrainSettings
+                      ) -> list[tuple[str, MoaConfig]]:
+    """The students a command line's settings ask for: one MoA student per server input (the
+    first named "", the others by their input) and, with `independent`, the baseline."""
+    if not settings.server_inputs:
+        raise ValueError("train at least one MoA student (server_inputs)")
+    configs = [MoaConfig.from_target(target_config, draft_vocab=settings.draft_vocab,
+                                     lsa_stride=settings.lsa_stride, server_input=server_input,
+                                     recurrent=settings.recurrent, block=settings.block,
+                                     tli_layers=settings.tli_layers)
+               for server_input in settings.server_inputs]
+    names = ["", *(c.server_input.value for c in configs[1:])]
+    if settings.independent:
+        configs.append(replace(configs[0], memory=Memory.EMBEDDINGS, recurrent=False))
+        names.append(INDEPENDENT)
+    return list(zip(names, configs))
+
+
 class Trainer:
     """Owns the drafters, their optimizer and the step counter; saves and resumes checkpoints."""
 
     def __init__(self, target: torch.nn.Module, samples: list[Sample], settings: TrainSettings,
-                 out: Path, stop_ids: tuple[int, ...]) -> None:
+                 out: Path, stop_ids: tuple[int, ...],
+                 variants: list[tuple[str, MoaConfig]] | None = None) -> None:
+        """`variants`: (name, config) of each student, the first named "" (written to `out`);
+        by default the students `settings` asks for (`settings_variants`)."""
         self.target, self.samples, self.settings, self.out = target, samples, settings, out
         self.pad = stop_ids[0]
         self.device = next(target.parameters()).device
         torch.manual_seed(settings.seed)
-        if not settings.server_inputs:
-            raise ValueError("train at least one MoA student (server_inputs)")
-        configs = [MoaConfig.from_target(target.config, draft_vocab=settings.draft_vocab,
-                                         server_input=server_input,
-                                         recurrent=settings.recurrent, block=settings.block)
-                   for server_input in settings.server_inputs]
-        self.config = configs[0]
-        if settings.independent:
-            configs.append(replace(self.config, memory=Memory.EMBEDDINGS, recurrent=False))
+        variants = variants or settings_variants(target.config, settings)
+        if not variants or variants[0][0] != "":
+            raise ValueError("train at least one student, the first named ''")
+        self.config = variants[0][1]
         vocab_ids = None
         if self.config.draft_vocab:
             vocab_ids = rank_vocab(samples, self.config.draft_vocab, stop_ids,
                                    self.config.vocab_size)
-        names = ["", *(c.server_input.value for c in configs[1:len(settings.server_inputs)]),
-                 *([INDEPENDENT] if settings.independent else [])]
-        self.students = [self._student(name, config, vocab_ids)
-                         for name, config in zip(names, configs)]
+        self.students = [self._student(name, config, vocab_ids) for name, config in variants]
         params = [p for student in self.students for p in student.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -241,9 +267,11 @@ class Trainer:
                                        self.settings, self.step_count / self.settings.steps,
                                        self.generator)
             else:
-                hidden = student.edge(batch.ids, memory, sa, ca)
+                hidden, predicted = student.edge(batch.ids, memory, sa, ca)
+                state = teacher_pass.state_before_tli(student.config)
                 loss, own = distill_loss(student.edge, hidden[batch.select], target_hidden,
-                                         self.settings)
+                                         self.settings, predicted[batch.select],
+                                         None if state is None else state[batch.select])
             total = total + loss
             prefix = student.name + "_" if student.name else ""
             stats |= {prefix + k: v for k, v in own.items()}

@@ -107,12 +107,12 @@ def block_loss(edge: EdgeHalf, ids: torch.Tensor, memory: torch.Tensor,
     rate = glance_rate(settings, progress)
     if rate > 0:
         with torch.no_grad():
-            guess = edge.logits(edge(ids, memory, sa, ca)).argmax(-1)  # [b, T]
+            guess = edge.logits(edge(ids, memory, sa, ca)[0]).argmax(-1)  # [b, T]
             wrong = valid & (guess != edge.logits(targets).argmax(-1))
         starts = (torch.arange(length) == ends - block + 1).to(ids.device)  # [T]
         ids, memory, glanced = glance(ids, memory, wrong, valid & starts, rate, block,
                                       generator)
     keep = valid & ~glanced
-    hidden = edge(ids, memory, sa, ca)  # [b, T, width]
+    hidden, _ = edge(ids, memory, sa, ca)  # [b, T, width]
     loss, stats = distill_loss(edge, hidden[keep], targets[keep], settings)
     return loss, stats | {"glanced": float(glanced.sum()) / max(1, int(valid.sum()))}

@@ -21,6 +21,8 @@ class TrainSettings:
     init_from_target: bool = True  # SA and CA start from the target's first and last layers
     # one MoA student per input; the first is written to OUT, the others to OUT/<input>
     server_inputs: tuple[ServerInput, ...] = (ServerInput.LAST_HIDDEN,)
+    lsa_stride: int = 1  # LSA students read every lsa_stride-th layer's K/V (1: all, the paper's)
+    tli_layers: int = 0  # MoA students end in the target's last N layers (Target Layer Inference)
     independent: bool = False  # also train the Independent baseline (written to OUT/independent)
     recurrent: bool = False  # MoA students feed their own output back (input 'last' only)
     unroll: int = 4  # draft depths a recurrent student trains at, one pass each (unroll.py)

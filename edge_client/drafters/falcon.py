@@ -64,7 +64,7 @@ class FalconDrafter(MoaDrafter):
         children come from (step, row), and the round's K/V of the nodes run in blocks."""
         steps = [self._first_rows]  # per step: top log q, ids: [block, top_k]
         source: dict[int, tuple[int, int]] = {ROOT: (0, 0)}  # node -> its children's row
-        keys, values = self._empty(), self._empty()
+        keys, values = self._empty(self.state_heads), self._empty(self.state_heads)
 
         def expand(nodes: _Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
             nonlocal keys, values

@@ -108,6 +108,8 @@ class MoaDrafter:
         self.block = manifest.block
         config = manifest.config
         self.kv_heads, self.head_dim = config["kv_heads"], config["head_dim"]
+        # heads of the K/V state kept per position: the Self-Attention's, then each TLI layer's
+        self.state_heads = manifest.state_heads
         self.width = config["width"]
         # the Independent baseline: memory rows are the verified tokens, fed by propose itself
         self.memory = manifest.memory
@@ -146,10 +148,10 @@ class MoaDrafter:
         """Forgets the text and the activation memory; activations of the prompt come next."""
         self._lookup.reset(prompt)
         self._context: list[int] = []  # committed ids whose SA K/V are in the cache
-        self._sa_keys = self._empty()  # [kv_heads, len(_context), hd]
-        self._sa_values = self._empty()
-        self._mem_keys = self._empty()  # [kv_heads, verified, hd]
-        self._mem_values = self._empty()
+        self._sa_keys = self._empty(self.state_heads)  # [state_heads, len(_context), hd]
+        self._sa_values = self._empty(self.state_heads)
+        self._mem_keys = self._empty(self.kv_heads)  # [kv_heads, verified, hd]
+        self._mem_values = self._empty(self.kv_heads)
         self._mem_ids: list[int] = []  # the tokens in the memory, without activations
         # recurrent: the verified activations (the features of those positions), each cached
         # position's own feature, and how many leading cached positions read verified ones
@@ -277,8 +279,8 @@ class MoaDrafter:
         """Nothing to learn: committed tokens reach the cache at the next propose, and their
         activations through `add_activations`."""
 
-    def _empty(self) -> np.ndarray:
-        return np.zeros((self.kv_heads, 0, self.head_dim), dtype=np.float32)
+    def _empty(self, heads: int) -> np.ndarray:
+        return np.zeros((heads, 0, self.head_dim), dtype=np.float32)
 
     def _sync(self, context: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         """Brings the SA cache to `context` and returns the top children of its last token.
@@ -348,9 +350,9 @@ class MoaDrafter:
         return self.beam
 
     def _expander(self, context: Sequence[int]) -> Expand:
-        """One round's `Expand`: it keeps the round's K/V ([kv_heads, slots, hd]), a recurrent
+        """One round's `Expand`: it keeps the round's K/V ([state_heads, slots, hd]), a recurrent
         drafter's own features ([slots, width]) and each expanded node's row in them."""
-        keys, values = self._empty(), self._empty()
+        keys, values = self._empty(self.state_heads), self._empty(self.state_heads)
         features = np.zeros((0, self.width), dtype=np.float32)
 
         def expand(nodes: _Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
