@@ -6,8 +6,8 @@ Here the server does not wait for the link: each forward verifies the freshest c
 re-rooted at the committed position (shared/rerooting.py), merged with the server's own
 candidates, and streams a Verdict. Pace AUTO waits for a draft in flight only while the wait is
 expected to pay (`AutoPace`). Flow control keeps the server at most `lead` tokens past what the
-client has acknowledged. Runs on the event loop; knows nothing of gRPC or of the model: the
-service hands it a forward and a send.
+client has acknowledged. Runs on the event loop; knows nothing of gRPC or of the model:
+session_streams.py hands it a forward and a send.
 """
 from __future__ import annotations
 

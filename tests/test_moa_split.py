@@ -262,11 +262,11 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
     messages within the message limit, so its first token does not queue behind them on the
     link; the edge's drafter gets every row, in order, and the text is exact. The edge
     acknowledges the rows it holds; with 1 KiB in flight each part waits for that."""
-    from cloud_server import service, stream_buffers
+    from cloud_server import session_streams, stream_buffers
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
-    monkeypatch.setattr(service, "ROWS_IN_FLIGHT_BYTES", in_flight)
+    monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
+    monkeypatch.setattr(session_streams, "ROWS_IN_FLIGHT_BYTES", in_flight)
     acknowledged: list[int] = []
     real_held = stream_buffers.Outbox.held
     monkeypatch.setattr(stream_buffers.Outbox, "held", lambda self, rows, paused=False: (
@@ -300,13 +300,14 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
     now and then, pauses the rows, so the server sends none, and answers the Verdicts only
     now and then (the server's lead is far). Its probes earn nothing, so the rows it missed
     never come; those it got came in order, and the text stays exact."""
-    from cloud_server import service, stream_buffers
+    from cloud_server import session_streams, stream_buffers
+    from cloud_server.client_stream import ClientStream
     from cloud_server.server_decoding import ServerDecoder
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(service, "ROWS_IN_FLIGHT_BYTES", 512)  # 4 rows of the tiny model
+    monkeypatch.setattr(session_streams, "ROWS_IN_FLIGHT_BYTES", 512)  # 4 rows of the tiny model
     max_new = 64
     prompt = PROMPTS[0]
     plain = plain_greedy(tiny_target, prompt, max_new)
@@ -326,11 +327,11 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
     monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
         added.append((start, len(values))), real_add(self, start, values))[-1])
     alone: list[int] = []  # Verdicts the server sent without their rows, which waited
-    real_send = service.SplitDecodingService._send
-    monkeypatch.setattr(service.SplitDecodingService, "_send", lambda self, context, msg: (
+    real_send = ClientStream.send
+    monkeypatch.setattr(ClientStream, "send", lambda self, msg: (
         isinstance(msg, Verdict) and msg.activations is None
         and msg.finish_reason is FinishReason.NOT_FINISHED
-        and alone.append(msg.committed_length), real_send(self, context, msg))[-1])
+        and alone.append(msg.committed_length), real_send(self, msg))[-1])
     limits = replace(LIMITS, max_new_tokens=max_new)
     slow = NetworkConditions.symmetric(LinkProfile(delay_ms=25))
     with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server, \
@@ -352,8 +353,8 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
     (CARRY_GENERATIONS). The second opens resting (Open.rows_paused): no rows cross the link,
     not even its prompt's, and it drafts only at probes. The third learns the link afresh.
     Every text stays exact."""
-    from cloud_server import service
     from cloud_server.server_decoding import ServerDecoder
+    from cloud_server.session_streams import SessionStreams
     from edge_client import following
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
@@ -372,11 +373,11 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
     monkeypatch.setattr(MoaDrafter, "propose", propose)
     monkeypatch.setattr(ServerDecoder, "propose",
                         lambda self, context: Proposal(DraftTree.chain([])))
-    real_serve = service.SplitDecodingService._serve_paced
-    monkeypatch.setattr(service.SplitDecodingService, "_serve_paced",
-                        lambda self, session, context, owner, first, paused: (
+    real_serve = SessionStreams.paced
+    monkeypatch.setattr(SessionStreams, "paced",
+                        lambda self, session, stream, owner, first, paused: (
                             log.append(("open", paused)),
-                            real_serve(self, session, context, owner, first, paused))[-1])
+                            real_serve(self, session, stream, owner, first, paused))[-1])
     real_add = MoaDrafter.add_activations
     monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
         log.append(("rows",)), real_add(self, start, values))[-1])
@@ -440,9 +441,9 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
                                                                 monkeypatch):
     """The stream breaks after the prefill's Verdict, before the prompt's rows that trail it:
     the resume says it holds none (Resume.rows_held) and gets them all again."""
-    from cloud_server import service
+    from cloud_server import session_streams
 
-    monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
+    monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
     prompt = tuple(range(40, 100))
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
                           activations=ActivationFormat.FP16, lead=1, trailing_rows=True)
@@ -506,9 +507,9 @@ def test_a_client_that_does_not_read_trailing_rows_gets_them_inside(tiny_target,
                                                                    monkeypatch):
     """An Open without trailing_rows (a client older than them) gets a paced Verdict with its
     rows inside, as in lock-step."""
-    from cloud_server import service
+    from cloud_server import session_streams
 
-    monkeypatch.setattr(service, "INLINE_ACTIVATION_BYTES", 1024)
+    monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
     prompt = tuple(range(40, 100))
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=4, pace=Pace.SERVER,
                           activations=ActivationFormat.FP16)

@@ -1,0 +1,206 @@
+"""An open session served over its stream: lock-step rounds, paced forwards (pacing.py) or
+server-side generation, each ended by Done; a paced session whose stream breaks goes on alone
+up to its lead.
+
+Knows sessions, the batcher and the client's stream as domain messages (client_stream.py), not
+gRPC: the service opens or resumes the session and hands it here.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+
+from cloud_server.batching import Batcher
+from cloud_server.client_stream import ClientStream
+from cloud_server.config import ServerConfig
+from cloud_server.paced_decoder import PacedDecoder
+from cloud_server.pacing import run_paced
+from cloud_server.server_decoding import ServerDecoder, own_drafter
+from cloud_server.session import Session
+from cloud_server.session_table import SessionTable
+from cloud_server.stream_buffers import Inbox, Outbox
+from shared import wire
+from shared.errors import OutOfOrder, SplitDecodingError
+from shared.messages import CloseRequest, DraftRequest, OpenRequest, Verdict
+
+log = logging.getLogger(__name__)
+# A paced Verdict carries its activations inside up to this size (a forward's few rows); more
+# (a prompt's) follow it. 16 KiB holds a token up for 64 ms on a 2 Mbit/s link.
+INLINE_ACTIVATION_BYTES = 16 * 1024
+# Rows a client that acknowledges them may have unacknowledged: half the client's 64 KB HTTP/2
+# window (edge_client/link.py), so a Verdict never waits for the window to reopen.
+ROWS_IN_FLIGHT_BYTES = 32 * 1024
+ROWS_PART_BYTES = 16 * 1024
+
+
+class _Ended(enum.Enum):
+    """How a paced session's client stream ended."""
+
+    CLOSED = 1  # the client sent Close
+    GONE = 2  # the stream ended, or another stream took the session over
+
+
+class SessionStreams:
+    """Serves the server's sessions over their streams; `owner` is the stream as the session
+    table knows it, so a resume on another stream stops this one."""
+
+    def __init__(self, sessions: SessionTable, batcher: Batcher, config: ServerConfig,
+                 verify_costs: tuple[tuple[int, float], ...], vocab_size: int):
+        self.sessions = sessions
+        self.batcher = batcher
+        self.config = config
+        self.verify_costs = verify_costs
+        self.vocab_size = vocab_size
+        self._alone: set[asyncio.Task] = set()  # sessions going on after their stream broke
+
+    async def lockstep(self, session: Session, stream: ClientStream, owner: object) -> bool:
+        """Verifies drafts until the generation finishes or the client closes, then says Done;
+        anything sent after that is refused as addressed to a closed session. True when the
+        session ended; False when the stream stopped first (the client went away mid-way, or a
+        resume on another stream took the session over)."""
+        while not session.finished:
+            msg = await stream.read()
+            if msg is None or not self.sessions.owns(session, owner):
+                return False
+            if isinstance(msg, CloseRequest):
+                break
+            if isinstance(msg, OpenRequest):
+                raise OutOfOrder("a session is already open on this stream")
+            await stream.send(await self.batcher.run(session.verify(msg, time.perf_counter()),
+                                                     session.id))
+        await stream.send(session.done())
+        if await stream.read() is not None:
+            raise OutOfOrder(f"session {session.id} is closed")
+        return True
+
+    async def paced(self, session: Session, stream: ClientStream, owner: object,
+                    first: Verdict, paused: bool) -> bool:
+        """Sends `first` (the prefill's or a resume's Verdict), then runs forward after forward
+        without waiting for the client (pacing.py), its drafts read as they come; then Done.
+        `paused`: the client opened resting (Open.rows_paused): no rows, and no waiting for it,
+        until a draft says otherwise. Returns as `lockstep` does."""
+        inbox = Inbox(len(session.committed))
+        inbox.resting = paused
+        decoder = PacedDecoder(session, self._own_decoder(session, self.config.pacing.drafter, 0),
+                               self.verify_costs)
+        epoch = session.epoch
+        outbox = self._outbox(stream, session)
+        outbox.held(0, paused)
+        reader = asyncio.create_task(self._fill(session, stream, owner, inbox, outbox))
+        try:
+            # its rows can take the link a second: no forward waits for them, only for the
+            # Verdict to be handed to gRPC (Outbox.send)
+            await outbox.send(first)
+            await run_paced(lambda: len(session.committed),
+                            lambda: session.finished or not self.sessions.owns(session, owner),
+                            inbox, lambda draft, queued_at: self.batcher.run(
+                                decoder.stepping(draft, queued_at, epoch), session.id),
+                            outbox.send, session.pace, session.lead,
+                            lambda: self.config.pacing.load_wait and self.batcher.pending > 0)
+            if not session.finished and await reader is _Ended.GONE:
+                self._go_on_alone(session, decoder, inbox.acked, epoch)
+                return False
+            await outbox.flush()
+            await stream.send(session.done())
+            # Drafts still in flight are dropped until the client says Close. A stream that
+            # ends without it keeps the session for a resume: a link that went dark may have
+            # swallowed the last Verdicts, and its end can look like a clean half-close.
+            return await reader is _Ended.CLOSED
+        except SplitDecodingError:
+            raise
+        except BaseException:  # the stream broke
+            self._go_on_alone(session, decoder, inbox.acked, epoch)
+            raise
+        finally:
+            reader.cancel()
+            outbox.cancel()
+
+    async def server_only(self, session: Session, stream: ClientStream,
+                          drafter: str | None, tree_nodes: int) -> None:
+        """Server-side generation (Generate): the server drafts for itself with `drafter`,
+        trees of `tree_nodes` (0: sized by the budget), and streams every Verdict, then Done."""
+        decoder = self._own_decoder(session, drafter, tree_nodes)
+        await stream.send(session.opened())
+        await stream.send(await self.batcher.run(decoder.prefilling(), session.id))
+        while not session.finished:
+            await stream.send(await self.batcher.run(decoder.stepping(), session.id))
+        await stream.send(session.done())
+
+    def _own_decoder(self, session: Session, drafter: str | None,
+                     tree_nodes: int) -> ServerDecoder:
+        return ServerDecoder(session, own_drafter(drafter, self.config.limits), tree_nodes,
+                             self.verify_costs, lambda: self.batcher.last)
+
+    def _go_on_alone(self, session: Session, decoder: PacedDecoder, acked: int,
+                     epoch: int) -> None:
+        """The stream broke mid-generation: the session goes on committing up to its lead
+        past what the edge acknowledged, as it does when the link goes dark without breaking,
+        so a resume finds the tokens ready instead of the outage's worth of forwards still to
+        run. It stops at the lead, at the end, or when a resume takes the session over."""
+        async def go_on() -> None:
+            while (not session.finished and len(session.committed) - acked < session.lead
+                   and session.epoch == epoch and self.sessions.owns(session, None)):
+                work = decoder.stepping(None, time.perf_counter(), epoch)
+                if await self.batcher.run(work) is None:  # no key: nobody to gather it for
+                    break
+        if session.finished:
+            return
+        task = asyncio.get_running_loop().create_task(go_on())
+        self._alone.add(task)
+        task.add_done_callback(self._alone_done)
+
+    def _alone_done(self, task: asyncio.Task) -> None:
+        self._alone.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("a detached session stopped: %s", task.exception())
+
+    async def _fill(self, session: Session, stream: ClientStream, owner: object, inbox: Inbox,
+                    outbox: Outbox) -> _Ended:
+        """Reads the client's drafts into the inbox, and the rows it says it holds into the
+        outbox, until it closes, the stream ends or another stream takes the session over;
+        drafts that arrive after the end are dropped."""
+        try:
+            while True:
+                msg = await stream.read()
+                if msg is None or not self.sessions.owns(session, owner):
+                    return _Ended.GONE
+                if isinstance(msg, CloseRequest):
+                    return _Ended.CLOSED
+                if isinstance(msg, OpenRequest):
+                    raise OutOfOrder("a session is already open on this stream")
+                if not session.finished:
+                    self._check_draft(msg)
+                    inbox.put(msg, len(session.committed))
+                    if msg.rows_held is not None:
+                        outbox.held(msg.rows_held, msg.rows_paused)
+                        session.pause_rows(msg.rows_paused)
+        finally:
+            inbox.close()
+
+    def _check_draft(self, draft: DraftRequest) -> None:
+        if len(draft.tree):  # an empty draft only acknowledges
+            limits = self.config.limits
+            draft.tree.validate(self.vocab_size, limits.max_tree_nodes, limits.max_tree_depth)
+
+    def _outbox(self, stream: ClientStream, session: Session) -> Outbox:
+        """A paced session's Verdict goes before its activations when they are many (the
+        prompt's): the client shows the tokens at once and the server runs on meanwhile. A
+        client that acknowledges rows gets them in small parts, a few in flight
+        (stream_buffers.py, Outbox). In lock-step the client drafts from the rows next, so
+        they stay inside (ClientStream.send), as they do for a client that does not read
+        trailing rows."""
+        if not session.trailing_rows:
+            return Outbox(stream.send)
+        acked = session.acks_rows
+        largest = self.config.limits.max_message_bytes // 2
+        part = min(ROWS_PART_BYTES, largest) if acked else largest
+        return Outbox(stream.send,
+                      lambda verdict: wire.trailing(verdict, INLINE_ACTIVATION_BYTES, part),
+                      ROWS_IN_FLIGHT_BYTES if acked else None)
+
+    def shutdown(self) -> None:
+        """Stops the sessions going on alone."""
+        for task in list(self._alone):
+            task.cancel()
