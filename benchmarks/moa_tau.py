@@ -118,10 +118,11 @@ def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(str(bundle / manifest.graph(precision, Graph.STEP)), options)
-    kv = np.zeros((c["kv_heads"], context, c["head_dim"]), dtype=np.float32)
+    state = np.zeros((manifest.state_heads, context, c["head_dim"]), dtype=np.float32)
+    memory = np.zeros((c["kv_heads"], context, c["head_dim"]), dtype=np.float32)
     inputs: tuple[np.ndarray, ...] = (
         np.arange(queries, dtype=np.int64) + 100, np.full(queries, context, dtype=np.int64),
-        kv, kv, np.ones((queries, context + queries), dtype=bool), kv, kv)
+        state, state, np.ones((queries, context + queries), dtype=bool), memory, memory)
     if manifest.recurrent:
         inputs += (np.zeros((queries, c["width"]), dtype=np.float32),)
     feed = dict(zip(StepIO.inputs(manifest.recurrent), inputs))
@@ -162,7 +163,8 @@ class Entry:
                    GRAPHS[1:] in suffixes, RACE[1:] in suffixes)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the benchmark for a command line (sys.argv's by default); returns its results."""
     from cloud_server.moa.weights import TRAINED, WEIGHTS
 
     p = argparse.ArgumentParser(description=__doc__)
@@ -195,7 +197,7 @@ def main() -> None:
                    help="the target's weights (cloud-server --weights): q4 runs the GGUF's "
                         "4-bit blocks, whose activations the drafter then reads")
     p.add_argument("--name", default="moa_tau", help="results file stem")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     for entry in args.drafters.split(","):
         if entry in TRAINING_FREE:
             continue
@@ -206,7 +208,7 @@ def main() -> None:
         if not (directory / WEIGHTS).is_file():
             p.error(f"--drafters {entry}: no trained drafter in {directory} (train one with "
                     "`cloud-server train-drafter`, or leave it out)")
-    run(args)
+    return run(args)
 
 
 @dataclass
@@ -271,7 +273,7 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
                      (lambda: drafter.ranker) if entry.race else None)
 
 
-def run(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> dict:
     from cloud_server import model_store
     from cloud_server.reference import compare, plain_greedy
     from cloud_server.target import TargetModel
@@ -298,7 +300,7 @@ def run(args: argparse.Namespace) -> None:
                 c.runs += 1
                 print(f"{item['id']} {c.name}: tau {sum(log.per_round) / len(log.per_round):.2f}"
                       f", lossless {same}", file=sys.stderr, flush=True)
-    report(args, target, tested)
+    return report(args, target, tested)
 
 
 def _tau(rounds: list[int]) -> float:
@@ -322,7 +324,7 @@ def _race_fits(tested: list[Contender]) -> str:
     return "".join(lines)
 
 
-def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
+def report(args: argparse.Namespace, target, tested: list[Contender]) -> dict:
     plain_ms = plain_step_ms(target)
     header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round", "edge steps/round",
               "server half ms/round", "edge step ms (1/8 queries)", "bundle MB",
@@ -364,14 +366,15 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> None:
     print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{args.name}.md").write_text(text)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(
-        {"drafters": results, "plain_step_ms": plain_ms}, indent=1))
+    summary = {"drafters": results, "plain_step_ms": plain_ms}
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
     series = {c.name: [_tau(c.rounds[s]) for s in evaluation.SETS]
               + [_tau([n for rounds in c.rounds.values() for n in rounds])] for c in tested}
     grouped_bars(RESULTS / f"{args.name}.png", [*evaluation.SETS, "all"], series,
                  "tau (tokens per round)",
                  f"Drafters in process, {how}, tree <= {args.max_nodes} nodes (moa_tau.py)",
                  baseline=1.0)
+    return summary
 
 
 class Int8RoundTrip:

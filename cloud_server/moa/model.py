@@ -163,7 +163,8 @@ class EdgeHalf(nn.Module):
         MLP activation) is left out: a start, not a copy."""
         layers = target.model.layers
         _copy_layer(self.sa, layers[0], with_kv=True)
-        _copy_layer(self.ca, layers[-1], with_kv=False)
+        # with TLI the last layer it stands for is the one before the target's last N
+        _copy_layer(self.ca, layers[len(layers) - 1 - self.config.tli_layers], with_kv=False)
 
     def memory_kv(self, activations: torch.Tensor,
                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
