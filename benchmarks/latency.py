@@ -31,7 +31,7 @@ from shared import prompt_sets as prompts
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, netsim_proxy, parse_cores, placement)
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import GenerationResult, SilentListener
+from edge_client.reporting import GenerationResult, SilentListener
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from shared.messages import ChatMessage, OpenRequest, Pace
 from cloud_server.device import Weights

@@ -19,7 +19,7 @@ import time
 from shared import prompt_sets as prompts
 from benchmarks.common import RESULTS, cloud_server, grouped_bars, machine, markdown_table
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import GenerationResult
+from edge_client.reporting import GenerationResult
 from shared.messages import ChatMessage, Pace
 from netsim import ProxyThread, parse_conditions
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import GenerationResult
+from edge_client.reporting import GenerationResult
 from edge_client.link import LinkError, ServerUnreachable
 from edge_client.server_only import Mode
 from shared.messages import ChatMessage, OpenRequest

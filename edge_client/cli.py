@@ -24,7 +24,7 @@ from typing import Iterator
 from edge_client.batch import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, DEFAULT_PACE, ClientOptions, EdgeClient
 from edge_client.display import TerminalView
-from edge_client.generate import GenerationResult
+from edge_client.reporting import GenerationResult
 from edge_client.link import LinkConfig, LinkError
 from edge_client.openai_compat.admission import PER_CORE, QUEUE_PER_SLOT
 from edge_client.security import ClientSecurity

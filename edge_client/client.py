@@ -11,7 +11,8 @@ from tokenizers import Tokenizer
 from shared.drafting.budget import TreeBudget
 from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_acceptance
 from edge_client.following import DraftSpacing
-from edge_client.generate import GenerationResult, Listener, split_generate
+from edge_client.generate import split_generate
+from edge_client.reporting import GenerationResult, Listener
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate

@@ -1,5 +1,6 @@
 """The edge's generation loop: draft a tree, send it, commit what the server verified, repeat;
-ride out a broken link by drafting offline, then resume and let the server judge that text.
+ride out a broken link by drafting offline (the outage's timing: outages.py), then resume and
+let the server judge that text. What it reports: reporting.py.
 
 Knows the drafter and the link, not the CLI. The server is the authority on what is committed:
 the edge only ever appends the tokens a Verdict carries, and offline tokens stay apart until a
@@ -11,23 +12,23 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import Executor
-from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol, Sequence, TypeVar
+from dataclasses import replace
+from typing import Callable, Sequence, TypeVar
 
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.following import (
-    DraftFollower, DraftOutcomes, DraftSpacing, Lag, drafted_ahead,
-)
-from edge_client.offline import Backoff, LinkPolicy, OfflinePolicy, draft_offline, reconcile
+from edge_client.following import DraftFollower, DraftSpacing, Lag, drafted_ahead
+from edge_client.offline import LinkPolicy, OfflinePolicy, draft_offline, reconcile
+from edge_client.outages import Outages
 from edge_client.pipeline import Speculation
+from edge_client.reporting import GenerationResult, Listener, SilentListener
 from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
 from shared.draft_q import Proposal, point_masses
 from shared.messages import (
-    AUTO_LONGEST_WAIT, ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits,
-    OpenRequest, Opened, Pace, Resume, Verdict,
+    ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened,
+    Pace, Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
@@ -35,103 +36,6 @@ from shared.tree import DraftTree
 T = TypeVar("T")
 # How long a generation its caller gave up on waits for the server to end the session
 CLOSE_TIMEOUT_S = 2.0
-
-
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)  # committed: verified by the target
-    rounds: int = 0  # draft rounds; the prefill is not one
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    # From the request to the answer complete (Done): the close handshake after it, a round
-    # trip on a paced stream, is not the user's wait (a server-only stream ends with Done)
-    wall_s: float = 0.0
-    ttft_s: float = 0.0
-    bytes_up: int = 0
-    messages_up: int = 0  # on Decode streams: Opens, Drafts (acknowledgements too), Closes
-    bytes_down: int = 0
-    verify_s: float = 0.0  # the server's own time verifying, as its Verdicts report
-    prefill_s: float = 0.0  # the part of it that answered an Open: the prefill (and a resume's)
-    finish_reason: FinishReason = FinishReason.NOT_FINISHED
-    draft_s: float = 0.0  # drafting the edge waited for
-    hidden_draft_s: float = 0.0  # drafting done while a round was in flight, and used
-    speculations: int = 0
-    speculation_hits: int = 0
-    reconnects: int = 0
-    rebuilt_sessions: int = 0  # resumes the server answered from history (it lost the session)
-    outage_s: float = 0.0  # time without a working link
-    offline_tokens: int = 0  # drafted while the link was down
-    corrected_tokens: int = 0  # offline tokens the target disagreed with, rewound
-    unverified_ids: list[int] = field(default_factory=list)  # kept unverified (policy keep)
-    server_only: bool = False  # a baseline: one server-streaming call, no drafts (server_only.py)
-    rtt_s: float = 0.0  # the link's round trip, from the first Open (the server's own time off)
-    # Split decoding: the pace the session ran, as Opened said (the server resolves the one
-    # asked: auto is server pace for a drafter that reads no activations, PacingPolicy.resolve)
-    pace: Pace | None = None
-    drafts: DraftOutcomes = field(default_factory=DraftOutcomes)  # paced sessions only
-
-    @property
-    def tau(self) -> float:
-        """Mean tokens committed per draft round (accepted drafts + the target's token)."""
-        return (len(self.output_ids) - 1) / self.rounds if self.rounds else 0.0
-
-    @property
-    def server_calls(self) -> int:
-        """Messages the edge sent the server: a baseline's one request, or everything sent on
-        the Decode streams (in lock-step an Open and one Draft a round; paced, a resting edge
-        answers only now and then, edge_client/following.py)."""
-        return 1 if self.server_only else self.messages_up
-
-    @property
-    def link_outpaced(self) -> bool:
-        """The link's round trip is longer than the server's mean time per forward: a draft
-        sent on a Verdict arrives after the next forward has begun."""
-        return self._round_trip_past(1.0)
-
-    @property
-    def link_slow(self) -> bool:
-        """The link's round trip is longer than the longest wait auto pace gives the edge's
-        answer, a share of the server's mean time per forward (AUTO_LONGEST_WAIT): no
-        draft sent on a Verdict is waited for, so one the server overtook came too late by the
-        link, not by the server's choice."""
-        return self._round_trip_past(AUTO_LONGEST_WAIT)
-
-    def _round_trip_past(self, forwards: float) -> bool:
-        """The round trip is longer than `forwards` of the server's mean forward after the
-        prefill: a prompt's prefill takes several forwards' time, and counted in the mean it
-        kept a `5g` link below auto's longest wait early in a generation."""
-        if self.rounds == 0:
-            return False
-        return self.rtt_s > forwards * (self.verify_s - self.prefill_s) / self.rounds
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.output_ids) / self.wall_s if self.wall_s else 0.0
-
-
-class Listener(Protocol):
-    """What a front end sees of a generation as it happens."""
-
-    def committed(self, ids: list[int]) -> None: ...
-
-    def unverified(self, ids: list[int]) -> None:
-        """Offline drafts, to be shown apart from committed text."""
-
-    def withdraw(self) -> None:
-        """The unverified text shown so far is void; committed() follows with the truth."""
-
-    def link_event(self, text: str) -> None: ...
-
-
-class SilentListener:
-    def committed(self, ids: list[int]) -> None: ...
-
-    def unverified(self, ids: list[int]) -> None: ...
-
-    def withdraw(self) -> None: ...
-
-    def link_event(self, text: str) -> None: ...
 
 
 def fallback_tree(context: Sequence[int]) -> DraftTree:
@@ -147,12 +51,6 @@ async def _expect(stream: DecodeStream, kind: type | tuple[type, ...],
         names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
         raise LinkError(f"protocol error: expected {names}, got {type(msg).__name__}")
     return msg
-
-
-@dataclass
-class _Outage:
-    since: float
-    backoff: Backoff
 
 
 class SplitGeneration:
@@ -184,7 +82,7 @@ class SplitGeneration:
         self.finish = FinishReason.NOT_FINISHED
         self._next_round = 1
         self._ready_tree: DraftTree | None = None  # from a speculation that came true
-        self._outage: _Outage | None = None
+        self.outages = Outages(policy, self.listener, self.result)
         self._answered_at: float | None = None  # when Done arrived
 
     async def run(self) -> GenerationResult:
@@ -193,14 +91,14 @@ class SplitGeneration:
             try:
                 await self._stream(start)
             except ServerUnreachable as err:
-                if not await self._ride_out(err):
+                if not await self.outages.ride_out(err, self.offline, self._draft_offline):
                     break
         self.result.finish_reason = self.finish
         self.result.wall_s = (self._answered_at or time.perf_counter()) - start
         return self.result
 
     async def _stream(self, start: float) -> None:
-        stream = self.link.decode(wait_for_ready=self._outage is not None)
+        stream = self.link.decode(wait_for_ready=self.outages.down)
         try:
             await self._open(stream, start)
             if self._session.pace is Pace.LOCKSTEP:
@@ -236,15 +134,15 @@ class SplitGeneration:
 
     async def _open(self, stream: DecodeStream, start: float) -> None:
         resuming = self.opened is not None
-        timeout_s = self.link.config.resume_timeout_s if self._outage else None
+        timeout_s = self.link.config.resume_timeout_s if self.outages.down else None
         sent = time.perf_counter()
         await stream.send(self._open_request(), timeout_s)
         opened: Opened = await _expect(stream, Opened, timeout_s)
         verdict: Verdict = await _expect(stream, Verdict, timeout_s)
         server_s = (verdict.verify_ms + verdict.queue_ms) / 1000  # the prefill: no link time
         self.result.prefill_s += verdict.verify_ms / 1000
-        if self._outage is not None:
-            self._link_back(opened, resuming)
+        if self.outages.down:
+            self.outages.link_back(opened, resuming)
         if resuming:
             self.result.reconnects += 1
             self.result.rebuilt_sessions += not opened.resumed
@@ -269,20 +167,6 @@ class SplitGeneration:
         if self.opened is None:
             raise LinkError("protocol error: no session opened yet")
         return self.opened
-
-    @property
-    def _down(self) -> _Outage:
-        if self._outage is None:
-            raise RuntimeError("the link is up")
-        return self._outage
-
-    def _link_back(self, opened: Opened, resuming: bool) -> None:
-        lost_s = time.monotonic() - self._down.since
-        self.result.outage_s += lost_s
-        how = ("session resumed" if opened.resumed else
-               "session rebuilt from history" if resuming else "generation restarted")
-        self.listener.link_event(f"link back after {lost_s:.1f} s, {how}")
-        self._outage = None
 
     async def _round(self, stream: DecodeStream) -> None:
         proposal, checking_offline = await self._next_tree()
@@ -424,31 +308,8 @@ class SplitGeneration:
         await self._off_loop(self.drafter.add_activations, rows.start, rows.values)
         self.rows_held = rows.start + len(rows.values)
 
-    async def _ride_out(self, err: ServerUnreachable) -> bool:
-        """Waits out a broken link, drafting offline as the policy allows. True: try the server
-        again; False: it never came back and the policy keeps the unverified text."""
-        if self.policy.reconnect_timeout_s <= 0:
-            raise err
-        now = time.monotonic()
-        if self._outage is None:
-            self._outage = _Outage(now, Backoff(self.policy))
-            self.listener.link_event(f"link lost: {err}")
-        elif now - self._down.since > self.policy.reconnect_timeout_s:
-            return self._give_up(err)
-        await self._draft_offline()
-        await asyncio.sleep(self._down.backoff.next_wait_s())
-        return True
-
-    def _give_up(self, err: ServerUnreachable) -> bool:
-        waited = f"no server for {self.policy.reconnect_timeout_s:g} s"
-        if self.policy.offline is OfflinePolicy.KEEP and self.offline:
-            self.result.unverified_ids = list(self.offline)
-            self.result.outage_s += time.monotonic() - self._down.since
-            self.listener.link_event(f"{waited}: keeping {len(self.offline)} unverified tokens")
-            return False
-        raise ServerUnreachable(f"{err}; gave up after {waited}") from None
-
     async def _draft_offline(self) -> None:
+        """Drafts on while the link is down (Outages.ride_out), as the policy allows."""
         if self.opened is None or self.policy.offline is OfflinePolicy.WAIT:
             return
         room = self.policy.offline_limit - len(self.offline)

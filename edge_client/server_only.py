@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 
-from edge_client.generate import GenerationResult, Listener, SilentListener
+from edge_client.reporting import GenerationResult, Listener, SilentListener
 from edge_client.link import GRPC_FRAME_BYTES, LinkError, ServerLink
 from shared import wire
 from shared.messages import Done, GenerateRequest, OpenRequest, Opened, Verdict

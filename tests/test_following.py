@@ -8,7 +8,7 @@ from edge_client.following import (
     ACKS_PER_LEAD, CARRY_GENERATIONS, FASTER_LINK, FIRST_REST, MAX_CARRY, MAX_REST, PATIENCE,
     DraftFollower, DraftOutcomes, DraftSpacing, Lag, drafted_ahead,
 )
-from edge_client.generate import GenerationResult
+from edge_client.reporting import GenerationResult
 from shared.drafting.pld import PromptLookupDrafter
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot

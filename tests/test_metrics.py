@@ -7,7 +7,7 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import SilentListener
+from edge_client.reporting import SilentListener
 from edge_client.link import LinkError
 from shared.messages import Pace
 

@@ -10,7 +10,7 @@ import pytest
 
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import SilentListener
+from edge_client.reporting import SilentListener
 from edge_client.server_only import Mode
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from shared.messages import ChatMessage, OpenRequest

@@ -9,7 +9,7 @@ import pytest
 
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import SilentListener
+from edge_client.reporting import SilentListener
 from cloud_server.pacing import PacingPolicy
 from shared.drafting.base import DrafterName
 from shared.messages import FinishReason, Limits, Pace

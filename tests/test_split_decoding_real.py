@@ -8,7 +8,7 @@ import pytest
 from shared import prompt_sets as prompts
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.generate import SilentListener
+from edge_client.reporting import SilentListener
 from shared.messages import ChatMessage, OpenRequest
 from testkit.device_under_test import DEVICE
 from tests.server_harness import ServerThread

@@ -18,7 +18,7 @@ from aiohttp import web
 from tokenizers import Tokenizer
 
 from edge_client.client import EdgeClient
-from edge_client.generate import GenerationResult
+from edge_client.reporting import GenerationResult
 from edge_client.link import LinkError, ServerUnreachable
 from edge_client.openai_compat.admission import Admission
 from edge_client.openai_compat.requests import (

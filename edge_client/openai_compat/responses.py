@@ -7,7 +7,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from edge_client.generate import GenerationResult
+from edge_client.reporting import GenerationResult
 from edge_client.openai_compat.requests import ApiError, ApiRequest, Kind
 from shared.messages import FinishReason
 
