@@ -79,7 +79,9 @@ def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_
 
     monkeypatch.setattr(wire, "client_from_proto", counted)
     limits = Limits(max_tree_nodes=48, max_tree_depth=8, max_new_tokens=64)
-    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server:
+    # the `last` student: of the tiny drafters, its trees repeat a token at a depth in both paces
+    config = ServerConfig(limits, drafter_dir=tiny_drafter_dir / "last")
+    with ServerThread(tiny_target, config) as server:
         results = run(server.address, ClientOptions("moa", 48, MAX_NEW, pace=pace,
                                                     draft_graphs=True))
     for prompt, result in zip(PROMPTS, results):
