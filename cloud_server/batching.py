@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, TypeVar
 
 from cloud_server.model_thread import ModelThread
 from shared.drafting.budget import ALONE, Load
+from shared.moving_average import ema
 
 if TYPE_CHECKING:  # the CLI reads DEFAULT_MAX_TOKENS without loading torch
     from cloud_server.target import ForwardJob, TargetModel, Work
@@ -30,6 +31,7 @@ DEFAULT_MAX_TOKENS = 512  # new tokens per forward: a CPU forward of that many t
 # before it runs the next forward without them.
 GATHER_SHARE = 0.25
 FORGET_S = 10.0  # a session silent this long is no longer expected back
+TURNAROUND_WEIGHT = 0.3  # a session's turnaround: about its last three count
 
 
 @dataclass
@@ -43,8 +45,7 @@ class _Rhythm:
     def submitted(self, now: float) -> None:
         if self.done_at is not None:
             gap = now - self.done_at
-            self.turnaround_s = gap if self.turnaround_s is None else (
-                0.7 * self.turnaround_s + 0.3 * gap)
+            self.turnaround_s = ema(self.turnaround_s, gap, TURNAROUND_WEIGHT)
         self.done_at, self.late = None, False
 
     def due_by(self, deadline: float) -> bool:

@@ -21,6 +21,7 @@ from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.drafting.budget import TreeBudget
 from shared.messages import DraftRequest, Verdict
+from shared.moving_average import ema
 from shared.rerooting import reroot
 
 
@@ -89,7 +90,7 @@ class Precedence:
     goes second, so that tree can at best tie, and a tie keeps the order."""
 
     def __init__(self, memory: float = 0.8):
-        self._memory = memory
+        self._weight = 1 - memory  # of each forward in the running means
         self._client = 0.0  # running means of the tokens each tree alone follows
         self._own = 0.0
 
@@ -98,6 +99,5 @@ class Precedence:
 
     def observe(self, client: int, own: int) -> None:
         """In a forward that merged both: how far each tree followed the committed tokens."""
-        keep = self._memory
-        self._client = keep * self._client + (1 - keep) * client
-        self._own = keep * self._own + (1 - keep) * own
+        self._client = ema(self._client, client, self._weight)
+        self._own = ema(self._own, own, self._weight)

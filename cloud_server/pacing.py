@@ -17,6 +17,7 @@ from typing import Awaitable, Callable
 
 from shared.drafting.base import DrafterName
 from shared.messages import AUTO_LONGEST_WAIT, DraftRequest, Pace, Verdict
+from shared.moving_average import ema
 
 from cloud_server.stream_buffers import Inbox
 
@@ -56,10 +57,7 @@ class PacingPolicy:
         return pace, min(lead or self.lead, self.max_lead)
 
 
-def _ema(old: float | None, new: float, weight: float = 0.2) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
-
-
+EMA_WEIGHT = 0.2  # AutoPace's running means: about the last five forwards (or replies) count
 LOADED_WAIT_STEPS = 4  # AutoPace under load: the longest wait for a client's answer, in steps
 # AutoPace alone: the share of its token rate a session gives up to make fewer forwards. A
 # forward is the node's capacity even when no other session waits for it (measured on `lan`,
@@ -213,8 +211,9 @@ class AutoPace:
         if sent is None:
             return
         if self.reply_s is not None:
-            self.reply_spread_s = _ema(self.reply_spread_s, abs(at - sent - self.reply_s))
-        self.reply_s = _ema(self.reply_s, at - sent)
+            spread = abs(at - sent - self.reply_s)
+            self.reply_spread_s = ema(self.reply_spread_s, spread, EMA_WEIGHT)
+        self.reply_s = ema(self.reply_s, at - sent, EMA_WEIGHT)
         self._sent_at = {n: t for n, t in self._sent_at.items() if n > acked}
 
     def forwarded(self, tokens: int, fresh: bool, step_s: float, alone: int | None = None
@@ -234,15 +233,15 @@ class AutoPace:
             # forwards decided.
             prior = None if self.fresh_forwards == 0 else self.gain_client
             self.fresh_forwards += 1
-            weight = max(0.2, 1 / self.fresh_forwards)
-            self.gain_client = _ema(prior, tokens, weight)
-            self.client_step_s = _ema(self.client_step_s, step_s, weight)
+            weight = max(EMA_WEIGHT, 1 / self.fresh_forwards)
+            self.gain_client = ema(prior, tokens, weight)
+            self.client_step_s = ema(self.client_step_s, step_s, weight)
             if alone is not None:  # a forward commits its own token at least
-                self.gain_alone = _ema(self.gain_alone, max(1, alone), weight)
+                self.gain_alone = ema(self.gain_alone, max(1, alone), weight)
             self.since_fresh = 0
         else:
-            self.gain_server = max(1.0, _ema(self.gain_server, tokens))
-            self.step_s = _ema(self.step_s, step_s)
+            self.gain_server = max(1.0, ema(self.gain_server, tokens, EMA_WEIGHT))
+            self.step_s = ema(self.step_s, step_s, EMA_WEIGHT)
             self.since_fresh += 1
             if self._measured_elsewhere():
                 self.fresh_forwards, self.relearn_after = 0, 2 * self.relearn_after

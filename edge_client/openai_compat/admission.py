@@ -15,6 +15,7 @@ import time
 from typing import AsyncIterator
 
 from edge_client.openai_compat.requests import ApiError
+from shared.moving_average import ema
 
 # A generation spends most of its time waiting for the server's forwards and the link, and
 # drafts a small share of it; a few per core keep the drafting threads busy.
@@ -62,7 +63,7 @@ class Admission:
             self.running -= 1
             self._slots.release()
             took = time.monotonic() - start
-            self._mean_s = took if self._mean_s is None else 0.8 * self._mean_s + 0.2 * took
+            self._mean_s = ema(self._mean_s, took, 0.2)
 
     def retry_after_s(self) -> int:
         """Seconds until a place in the queue is likely free: a running generation ends about

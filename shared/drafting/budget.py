@@ -14,6 +14,8 @@ from typing import Sequence
 
 import numpy as np
 
+from shared.moving_average import ema
+
 MEMORY = 0.97  # per-round decay of acceptance statistics: about the last 30 rounds count
 PRIOR_WEIGHT = 1.0  # pseudo-rounds of the prior, never decayed: untried ranks keep their prior
 
@@ -91,4 +93,5 @@ class TreeBudget:
         self._offered[:sent] += 1.0
         self._hits[[i for i in accepted_nodes if i < self.max_nodes]] += 1.0
         other = max(round_ms - verify_ms, 0.0)
-        self._other_ms = other if self._other_ms == 0.0 else 0.8 * self._other_ms + 0.2 * other
+        # 0.0 counts as nothing measured yet: the next round's time replaces it
+        self._other_ms = ema(self._other_ms or None, other, 0.2)
