@@ -37,12 +37,9 @@ from shared.messages import ChatMessage, OpenRequest, Pace
 from cloud_server.device import Weights
 from netsim import PROFILES, NetworkConditions, OutageMode
 
-# split methods: (pace, --draft-ahead); the "-ahead" ones reach past the measured lag
-# (edge_client/following.py), the others draft from the newest committed token, the default
-SPLIT_PACES: dict[str, tuple[Pace, int | None]] = {
-    "split-lockstep": (Pace.LOCKSTEP, 0), "split-server": (Pace.SERVER, 0),
-    "split-auto": (Pace.AUTO, 0), "split-server-ahead": (Pace.SERVER, None),
-    "split-auto-ahead": (Pace.AUTO, None)}
+# split methods: the pace each asks for
+SPLIT_PACES = {"split-lockstep": Pace.LOCKSTEP, "split-server": Pace.SERVER,
+               "split-auto": Pace.AUTO}
 # what became of a paced method's drafts, as the table and the plot show them (DraftOutcomes)
 OUTCOMES = ("used", "late", "wrong")
 METHODS = ("plain-api", "server-spec", "split-lockstep", "split-server", "split-auto")
@@ -118,9 +115,7 @@ async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> d
     """One generation through the product's own client: split at a pace, or a baseline."""
     arrivals = Arrivals()
     if method in SPLIT_PACES:
-        pace, ahead = SPLIT_PACES[method]
-        client.options = replace(client.options, draft_ahead=ahead)
-        r = await client.generate(replace(request, pace=pace), arrivals)
+        r = await client.generate(replace(request, pace=SPLIT_PACES[method]), arrivals)
     else:
         r = await server_generate(client.link, request, Mode(method), arrivals)
     return record(r, arrivals)

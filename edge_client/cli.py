@@ -42,8 +42,8 @@ from shared.sampling import SamplingParams
 EXIT_USAGE, EXIT_LINK = 2, 3
 # What the edge's drafting reads: --mode split only (the baselines draft on the server or not
 # at all); --server-drafter is read by --mode server-spec only.
-SPLIT_ONLY = ("drafter", "activations", "tree_nodes", "pace", "lead", "draft_ahead",
-              "draft_graphs", "race_aware", "no_pipeline")
+SPLIT_ONLY = ("drafter", "activations", "tree_nodes", "pace", "lead", "draft_graphs",
+              "race_aware", "no_pipeline")
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
@@ -97,11 +97,6 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lead", type=positive, default=None, metavar="N",
                    help="paced split: tokens the server may commit past what this client has "
                         "received (default: the server's, 32)")
-    p.add_argument("--draft-ahead", type=draft_ahead, default=0, metavar="auto|N",
-                   help="paced split: also draft a tree N tokens past the newest committed "
-                        "one, below the drafter's guess of the tokens the server commits while "
-                        "the draft travels; 'auto': N measured from the drafts the server used; "
-                        "0 (default): off")
     p.add_argument("--draft-graphs", action="store_true",
                    help="moa: merge a token drafted twice at one depth into one node and send "
                         "each repeated subtree once (GSD draft graphs); off by default, as "
@@ -166,14 +161,6 @@ def server_path(args: argparse.Namespace) -> Iterator[str]:
 
 def tree_nodes(text: str) -> int | None:
     return None if text == "auto" else positive(text)
-
-
-def draft_ahead(text: str) -> int | None:
-    if text == "auto":
-        return None
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a count >= 0, got {text!r}")
-    return int(text)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -316,8 +303,9 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         pipeline=not args.no_pipeline)
     return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens, sampling, acceptance,
                          tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
-                         Mode(args.mode), Pace(args.pace), args.lead or 0, args.draft_ahead,
-                         args.draft_graphs, args.race_aware, server_drafter=args.server_drafter)
+                         Mode(args.mode), Pace(args.pace), args.lead or 0,
+                         draft_graphs=args.draft_graphs, race_aware=args.race_aware,
+                         server_drafter=args.server_drafter)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,9 +45,6 @@ class ClientOptions:
     mode: Mode = Mode.SPLIT  # or a baseline the server runs alone (server_only.py)
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # paced sessions: tokens the server may run ahead; 0: the server's default
-    # Paced sessions: tokens past which drafts reach (edge_client/following.py); None: the
-    # measured lag. Off by default: measured, it did not pay (results log, latency_ahead_gpu).
-    draft_ahead: int | None = 0
     # MoA: draft graphs (GSD), a token repeated at one depth drafted once and its subtree sent
     # once. Off by default: measured, it did not pay (results log, draft_graphs).
     draft_graphs: bool = False
@@ -141,7 +138,7 @@ class EdgeClient:
         with self._drafters.checkout() as drafter:
             result = await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,
-                self.info.limits, self.options.draft_ahead, spacing, self.drafting)
+                self.info.limits, spacing, self.drafting)
         self._spacing = spacing.carried(result.link_outpaced, result.rtt_s)
         return result
 

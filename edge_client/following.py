@@ -1,29 +1,20 @@
-"""The edge's side of a server-paced session: which of its drafts the server may still use, and
-how far ahead the next one must reach.
+"""The edge's side of a server-paced session: which of its drafts the server may still use,
+whether the next is worth drafting, and what became of each.
 
 The server re-roots the edge's freshest draft at its own committed position before every
 forward (shared/rerooting.py). So while the last draft sent still continues the committed text,
 a new one would only repeat it, and the edge just acknowledges the Verdict; once a forward used
 the draft, or the text left it, the edge drafts again from the newest position.
-
-A draft travels while the server goes on committing: by the time a forward uses it, the server
-has committed `lag` tokens past the draft's base (the link's delay times the server's token
-rate, measured here as their product from the drafts the server used). Only the draft's nodes
-below those tokens can be verified, so the edge drafts a second tree past the `lag` tokens it
-expects and hangs it below them (`drafted_ahead`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from edge_client.offline import draft_offline
-from shared.drafting.base import Drafter
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot
 from shared.tree import DraftTree
 
-LAG_MEMORY = 0.7  # weight of the past in the lag's running mean: about the last 3 drafts count
 PATIENCE = 3  # drafts overtaken unused, since the last that earned, before the edge rests
 FIRST_REST = 8  # chances the first rest skips; it doubles with every probe overtaken too
 MAX_REST = 64  # so the edge notices within about 64 Verdicts when its drafts pay again
@@ -38,25 +29,6 @@ MAX_CARRY = 16
 # A carried rest ends at once when the link's round trip falls below this share of the one the
 # rest was learned under (a researcher switching `--network` profiles, a laptop off satellite)
 FASTER_LINK = 0.7
-
-
-class Lag:
-    """Tokens the server commits past a draft's base before a forward can use the draft."""
-
-    def __init__(self, fixed: int | None = None):
-        self.fixed = fixed
-        self._mean = 0.0
-
-    def observe(self, tokens: int) -> None:
-        self._mean = LAG_MEMORY * self._mean + (1 - LAG_MEMORY) * tokens
-
-    @property
-    def mean(self) -> float:
-        return self._mean
-
-    def ahead(self) -> int:
-        """How many tokens the next draft should reach past before its tree begins."""
-        return self.fixed if self.fixed is not None else int(self._mean + 0.5)
 
 
 class DraftSpacing:
@@ -220,9 +192,8 @@ class DraftFollower:
     whether the drafts it sent earned anything (`spacing`), and what became of each
     (`outcomes`, kept across the generation's streams)."""
 
-    def __init__(self, lag: Lag, spacing: DraftSpacing | None = None,
+    def __init__(self, spacing: DraftSpacing | None = None,
                  outcomes: DraftOutcomes | None = None) -> None:
-        self.lag = lag
         self.spacing = spacing or DraftSpacing()
         self.outcomes = outcomes or DraftOutcomes()
         self._next_id = 1
@@ -255,19 +226,15 @@ class DraftFollower:
         return not news and (not awaited or draft.rows_paused)
 
     def due(self, context: Sequence[int], link_slow: bool) -> bool:
-        """True when a new draft is due: the live one no longer has nodes past `context`. A
-        live draft the server overtook before using it (right as far as it reached) tells the
-        lag it was at least that deep; `link_slow`: no wait of the server's can cover the
-        link's round trip (DraftSpacing.overtaken)."""
+        """True when a new draft is due: the live one no longer has nodes past `context`.
+        `link_slow`: no wait of the server's can cover the link's round trip
+        (DraftSpacing.overtaken)."""
         live = self._live
         if live is None:
             return True
         if reroot(live.tree, live.base_length, context) is not None:
             return False
-        since = context[live.base_length:]
-        path = live.tree.walk(since)
-        if path and not live.tree.children(path[-1]):  # right down to a leaf, and overtaken
-            self.lag.observe(len(since))
+        path = live.tree.walk(context[live.base_length:])
         if path:  # right as far as `path`, but no forward used it before the server got past
             self.outcomes.late += 1
             self.spacing.overtaken(link_slow)
@@ -293,25 +260,6 @@ class DraftFollower:
             self.spacing.earned()
         else:
             self.spacing.missed()
-        self.lag.observe(len(context) - live.base_length)
         rerooted = reroot(live.tree, live.base_length, context)
         return None if rerooted is None else rerooted.proposal.tree
 
-
-def drafted_ahead(drafter: Drafter, context: Sequence[int], nodes: int, ahead: int,
-                  max_nodes: int, max_depth: int) -> DraftTree:
-    """The drafter's tree at `context`, merged with a second tree that starts `ahead` tokens
-    further on: drafted past the first tree's best path (the tokens the server is expected to
-    commit while the draft travels) and hung below it. Whichever of the two the server's text
-    follows, the part below its committed position is verified. At most `max_nodes` nodes and
-    `max_depth` levels, the server's limits."""
-    near = drafter.propose(context, nodes)
-    ahead = min(ahead, max_depth - drafter.max_depth)
-    if ahead <= 0:
-        return near
-    spine = near.best_path()[:ahead]
-    spine += draft_offline(drafter, [*context, *spine], ahead - len(spine))
-    if len(spine) < ahead:  # the drafter sees nothing that far
-        return near
-    far = drafter.propose([*context, *spine], nodes)
-    return near.merged(far.below(spine), max_nodes)

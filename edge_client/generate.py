@@ -18,7 +18,7 @@ from typing import Callable, Sequence, TypeVar
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.following import DraftFollower, DraftSpacing, Lag, drafted_ahead
+from edge_client.following import DraftFollower, DraftSpacing
 from edge_client.offline import LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.outages import Outages
 from edge_client.pipeline import Speculation
@@ -59,8 +59,7 @@ class SplitGeneration:
     def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
                  budget: TreeBudget, listener: Listener | None = None,
                  policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                 ahead: int | None = 0, spacing: DraftSpacing | None = None,
-                 drafting: Executor | None = None):
+                 spacing: DraftSpacing | None = None, drafting: Executor | None = None):
         """`spacing`: paced sessions, whether the edge rests from drafting; the client carries
         it from one generation to the next on the same link (DraftSpacing.carried).
         `drafting`: where the drafter runs (None: on the event loop), so that generations
@@ -69,10 +68,8 @@ class SplitGeneration:
         self.drafting = drafting
         self.listener = listener or SilentListener()
         self.policy = policy
-        self.limits = limits  # the server's: trees past them are refused
-        # offline tokens verified per round
+        # offline tokens verified per round: the server refuses trees past its limits
         self.max_chain = min(limits.max_tree_nodes, limits.max_tree_depth)
-        self.lag = Lag(ahead)  # paced sessions: how far drafts reach (None: measured; 0: off)
         self.spacing = spacing or DraftSpacing(reads_rows=request.acks_rows)
         self.result = GenerationResult()
         self.opened: Opened | None = None
@@ -192,7 +189,7 @@ class SplitGeneration:
         """A server-paced session: the server runs forward after forward; the edge answers
         every Verdict with a draft from the new committed position, or only acknowledges it
         while its last draft still continues the text (the server re-roots it)."""
-        follower = DraftFollower(self.lag, self.spacing, self.result.drafts)
+        follower = DraftFollower(self.spacing, self.result.drafts)
         await self._answer(stream, follower, awaited=True)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
@@ -218,7 +215,7 @@ class SplitGeneration:
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
         due = follower.due(self.context, self.result.link_slow)
         if due and (self.offline or follower.spacing.chance()):
-            proposal, _ = await self._next_tree(self.lag.ahead())
+            proposal, _ = await self._next_tree()
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
         if not follower.needless(draft, self._session.lead, awaited):
@@ -246,28 +243,25 @@ class SplitGeneration:
     def _sampled_drafts(self) -> bool:
         return self._session.acceptance is AcceptanceMode.SAMPLED_DRAFTS
 
-    async def _next_tree(self, ahead: int = 0) -> tuple[Proposal, bool]:
+    async def _next_tree(self) -> tuple[Proposal, bool]:
         """The tree to send with the q its drafts were drawn from (acceptance sampled-drafts
-        only), and whether it is offline text being checked. `ahead`: tokens the server will
-        commit before it can use the tree (paced sessions; following.py)."""
+        only), and whether it is offline text being checked."""
         if self.offline:
             return self._with_q(Proposal(DraftTree.chain(self.offline[: self.max_chain]))), True
         ready, self._ready_tree = self._ready_tree, None
         if ready is not None:
             return self._with_q(Proposal(ready)), False
         start = time.perf_counter()
-        proposal = await self._off_loop(self._draft, ahead)
+        proposal = await self._off_loop(self._draft)
         self.result.draft_s += time.perf_counter() - start
         if not len(proposal.tree):
             proposal = Proposal(fallback_tree(self.context))
         return self._with_q(proposal), False
 
-    def _draft(self, ahead: int) -> Proposal:
-        """Under sampled-drafts a tree must be as drawn from its q, so it never reaches ahead."""
+    def _draft(self) -> Proposal:
+        """Under sampled-drafts the tree is drawn from q, keyed by the committed length."""
         if not self._sampled_drafts:
-            return Proposal(drafted_ahead(self.drafter, self.context, self.budget.nodes(), ahead,
-                                          self.limits.max_tree_nodes,
-                                          self.limits.max_tree_depth))
+            return Proposal(self.drafter.propose(self.context, self.budget.nodes()))
         rng = round_rng(self._session.seed, RngStream.DRAFT, len(self.context))
         return self.drafter.propose_sampled(self.context, self.budget.nodes(), rng)
 
@@ -351,8 +345,8 @@ async def _close_abandoned(stream: DecodeStream) -> None:
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
                          budget: TreeBudget, listener: Listener | None = None,
                          policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                         ahead: int | None = 0, spacing: DraftSpacing | None = None,
+                         spacing: DraftSpacing | None = None,
                          drafting: Executor | None = None) -> GenerationResult:
     """Runs one generation to its end (see SplitGeneration)."""
     return await SplitGeneration(link, drafter, request, budget, listener, policy, limits,
-                                 ahead, spacing, drafting).run()
+                                 spacing, drafting).run()

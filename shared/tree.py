@@ -103,13 +103,6 @@ class DraftTree:
             mapped[i] = index[key]
         return DraftTree(tuple(tokens), tuple(parents))
 
-    def below(self, spine: Sequence[int]) -> "DraftTree":
-        """This tree hung below a chain of `spine` tokens: the chain's nodes first, then this
-        tree's, its first level now the children of the chain's last node."""
-        k = len(spine)
-        parents = tuple(k - 1 if p == ROOT else p + k for p in self.parents)
-        return DraftTree((*spine, *self.tokens), (*range(-1, k - 1), *parents))
-
     def subtree(self, node: int) -> "DraftTree":
         """The descendants of `node`, re-rooted so its children become the first level; node
         order (and so best-first order) is kept."""

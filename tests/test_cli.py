@@ -34,7 +34,6 @@ def test_batch_with_missing_server_fails_cleanly(tmp_path):
 @pytest.mark.parametrize("args", [["--drafter", "nope"], ["--drafter", "recycle"],
                                   ["--offline-policy", "hope"],
                                   ["--offline-limit", "0"], ["--reconnect-timeout", "-1"],
-                                  ["--draft-ahead", "-1"], ["--draft-ahead", "some"],
                                   ["--tls-cert", "edge.pem"]])
 def test_bad_arguments_exit_2(args):
     proc = subprocess.run(EDGE + ["--server", "x:1", *args, "hi"],

@@ -1,57 +1,39 @@
-"""The edge's side of a server-paced session (edge_client/following.py): the lag a draft meets
-in flight, measured from the drafts the server used or overtook, and drafts that reach past it."""
+"""The edge's side of a server-paced session (edge_client/following.py): when a draft is due,
+when the edge rests from drafting, and what became of each draft."""
 from __future__ import annotations
 
 import pytest
 
 from edge_client.following import (
     ACKS_PER_LEAD, CARRY_GENERATIONS, FASTER_LINK, FIRST_REST, MAX_CARRY, MAX_REST, PATIENCE,
-    DraftFollower, DraftOutcomes, DraftSpacing, Lag, drafted_ahead,
+    DraftFollower, DraftOutcomes, DraftSpacing,
 )
 from edge_client.reporting import GenerationResult
-from shared.drafting.pld import PromptLookupDrafter
 from shared.messages import DraftRequest, Verdict
-from shared.rerooting import reroot
 from shared.tree import DraftTree
-
-TEXT = list(range(10, 30)) * 3  # lookup drafts continue it exactly
 
 
 def sent(follower: DraftFollower, base: int, tree: DraftTree) -> DraftRequest:
     return follower.sent(DraftRequest(0, base, tree))
 
 
-def test_below_hangs_a_tree_under_a_chain():
-    tree = DraftTree((7, 8, 9), (-1, 0, -1))
-    hung = tree.below([1, 2])
-    assert hung.tokens == (1, 2, 7, 8, 9) and hung.parents == (-1, 0, 1, 2, 1)
-    assert hung.subtree(1) == tree
-
-
-def test_a_used_draft_teaches_the_lag_it_met():
-    lag = Lag()
-    follower = DraftFollower(lag)
+def test_a_used_draft_is_spent_and_comes_back_rerooted():
+    follower = DraftFollower()
     draft = sent(follower, 3, DraftTree.chain([4, 5, 6, 7]))
     context = [1, 2, 3, 4, 5]  # the server committed two tokens before the forward that used it
-    assert follower.verified(Verdict(1, (0,), (6, 7), 7, draft_id=draft.round_id), context)
-    assert lag.mean == pytest.approx(0.6) and lag.ahead() == 1  # from a start at 0
-    for _ in range(5):
-        follower.verified(Verdict(1, (), (6,), 6, draft_id=sent(
-            follower, 3, DraftTree.chain([4, 5, 6, 7])).round_id), context)
-    assert lag.ahead() == 2
+    verified = follower.verified(Verdict(1, (0,), (6, 7), 7, draft_id=draft.round_id), context)
+    assert verified == DraftTree.chain([6, 7])
+    assert follower.due(context, link_slow=True)  # spent: a new draft is due
 
 
-def test_an_overtaken_draft_teaches_a_lower_bound_and_a_wrong_one_nothing():
-    lag = Lag()
-    follower = DraftFollower(lag)
+def test_a_draft_is_due_once_the_text_leaves_it_or_passes_it():
+    follower = DraftFollower()
     sent(follower, 2, DraftTree.chain([3, 4]))
     assert not follower.due([1, 2, 3], link_slow=True)  # still continues the text
     # right to its leaf, but the server is past it
     assert follower.due([1, 2, 3, 4, 5, 6], link_slow=True)
-    assert lag.mean == pytest.approx(1.2)
     sent(follower, 2, DraftTree.chain([3, 4]))
-    assert follower.due([1, 2, 9, 9], link_slow=True)  # another text: says nothing of the lag
-    assert lag.mean == pytest.approx(1.2)
+    assert follower.due([1, 2, 9, 9], link_slow=True)  # another text
     assert follower.due([1, 2, 9, 9], link_slow=True)  # no live draft: always due
 
 
@@ -88,7 +70,7 @@ def test_a_text_only_edge_rests_from_drafts_the_servers_own_candidates_had(reads
     own lookup count as drafts that did not pay, as do wrong ones, and a probe that adds
     something ends the rest; an edge fed the server's rows keeps drafting (its rows are what
     it adds)."""
-    follower = DraftFollower(Lag(), DraftSpacing(reads_rows=reads_rows))
+    follower = DraftFollower(DraftSpacing(reads_rows=reads_rows))
 
     def used(redundant: bool) -> None:
         draft = sent(follower, 3, DraftTree.chain([4, 5]))
@@ -193,7 +175,7 @@ def test_a_long_prefill_does_not_lift_the_line_a_slow_link_is_drawn_at():
 
 
 def test_the_follower_rests_after_overtaken_drafts_and_not_after_wrong_ones():
-    follower = DraftFollower(Lag())
+    follower = DraftFollower()
     for i in range(PATIENCE - 1):  # right to their leaf, but the server got there first
         sent(follower, 2, DraftTree.chain([3, 4]))
         assert follower.due([1, 2, 3, 4, 5, 6 + i], link_slow=True)
@@ -216,7 +198,7 @@ def test_the_follower_counts_what_became_of_each_draft():
     """Used (earned or not), late (right as far as the text went, passed before a forward
     used it) or wrong (left at its first token); a draft still live is none of these."""
     outcomes = DraftOutcomes()
-    follower = DraftFollower(Lag(), outcomes=outcomes)
+    follower = DraftFollower(outcomes=outcomes)
     draft = sent(follower, 2, DraftTree.chain([3, 4]))
     follower.verified(Verdict(1, (0,), (3, 5), 4, draft_id=draft.round_id), [1, 2])
     draft = sent(follower, 4, DraftTree.chain([6, 7]))
@@ -237,7 +219,7 @@ def test_drafts_overtaken_on_a_fast_link_rest_only_a_text_only_edge(reads_rows):
     is the server's choice not to wait (its auto pace measures the drafts again later), not
     the link's: an edge fed the server's rows keeps drafting; one that reads the text alone
     rests, since the server's own lookup had those tokens."""
-    follower = DraftFollower(Lag(), DraftSpacing(reads_rows=reads_rows))
+    follower = DraftFollower(DraftSpacing(reads_rows=reads_rows))
     for i in range(PATIENCE):
         sent(follower, 2, DraftTree.chain([3, 4]))
         assert follower.due([1, 2, 3, 4, 5, 6 + i], link_slow=False)
@@ -245,39 +227,8 @@ def test_drafts_overtaken_on_a_fast_link_rest_only_a_text_only_edge(reads_rows):
     assert chances_until_a_draft(follower.spacing) == (0 if reads_rows else FIRST_REST)
 
 
-def test_a_fixed_lag_is_kept():
-    lag = Lag(fixed=5)
-    lag.observe(0)
-    assert lag.ahead() == 5
-
-
-def test_a_draft_ahead_still_offers_a_tree_after_the_server_commits_past_its_first():
-    drafter = PromptLookupDrafter()
-    context = TEXT[:45]
-    drafter.reset(context)
-    near = drafter.propose(context, 4)
-    deep = drafted_ahead(drafter, context, 4, 6, max_nodes=64, max_depth=64)
-    assert deep.prefix(len(near)) == near  # the usual tree first: nothing lost at lag 0
-    assert len(deep) <= 4 + 6 + 4
-    committed = TEXT[:51]  # the server went 6 tokens on while the draft travelled
-    assert reroot(near, len(context), committed) is None
-    rerooted = reroot(deep, len(context), committed)
-    assert rerooted is not None and rerooted.proposal.tree.best_path()[:3] == TEXT[51:54]
-
-
-def test_drafting_ahead_stays_within_the_servers_limits():
-    drafter = PromptLookupDrafter()
-    context = TEXT[:45]
-    drafter.reset(context)
-    assert drafted_ahead(drafter, context, 8, 0, 64, 64) == drafter.propose(context, 8)
-    capped = drafted_ahead(drafter, context, 8, 40, 10, 64)
-    assert len(capped) == 10
-    shallow = drafted_ahead(drafter, context, 8, 40, 64, drafter.max_depth + 2)
-    assert max(shallow.depths()) < drafter.max_depth + 2
-
-
 def test_a_resting_edge_acknowledges_once_per_quarter_of_the_lead():
-    follower = DraftFollower(Lag())
+    follower = DraftFollower()
 
     def ack(base: int, paused: bool = True) -> DraftRequest:
         return DraftRequest(0, base, DraftTree((), ()), rows_paused=paused)
@@ -298,7 +249,7 @@ def test_a_resting_edge_acknowledges_once_per_quarter_of_the_lead():
 def test_an_answer_the_server_does_not_await_goes_only_with_news():
     """Verdict.answer_awaited unset (server pace; auto where drafts do not pay): a mere
     acknowledgement waits for the quarter lead, unless it says the edge holds new rows."""
-    follower = DraftFollower(Lag())
+    follower = DraftFollower()
 
     def ack(base: int, rows: int | None = None) -> DraftRequest:
         return DraftRequest(0, base, DraftTree((), ()), rows_held=rows)

@@ -83,18 +83,6 @@ def test_lockstep_is_the_rounds_of_old(tiny_server):
         assert not r.drafts.settled  # a paced session's counts: every lock-step draft is used
 
 
-@pytest.mark.parametrize("ahead", [None, 3])
-def test_drafts_that_reach_ahead_keep_the_text_exact(tiny_server, tiny_target, ahead):
-    """Measured lag (None) and a fixed one: trees hung below the expected tokens change which
-    nodes the server verifies, never the text."""
-    async def go():
-        options = ClientOptions("pld", None, MAX_NEW, pace=Pace.SERVER, draft_ahead=ahead)
-        async with EdgeClient(tiny_server.address, options) as client:
-            return [await client.generate(options.open_request(prompt_ids=p)) for p in PROMPTS]
-    for prompt, result in zip(PROMPTS, asyncio.run(go())):
-        assert result.output_ids == plain_greedy(tiny_target, prompt, MAX_NEW)
-
-
 def _decoder_after_prefill(tiny_target, own: str | None, prompt: list[int]):
     """A paced decoder on the tiny target, the server's own drafter `own`, `prompt` prefilled."""
     from cloud_server.paced_decoder import PacedDecoder
