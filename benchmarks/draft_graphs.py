@@ -1,7 +1,7 @@
 """Draft graphs (GSD) against plain trees: the same MoA drafter with and without merging.
 
 With merging, nodes of one depth that repeat a token are drafted once and their subtree is
-repeated under each (edge_client/drafters/moa.py, shared/graph.py); the wire sends each
+repeated under each (edge_client/drafters/moa.py, shared/draft_graph.py); the wire sends each
 repeated subtree once. Both run in process through the server's own session (moa_tau.py's
 loop), greedy, trees of at most --max-nodes nodes, on the evaluation prompts, back to back on
 each prompt. Reports tau, drafting time and step-graph rows per round, nodes and bytes per draft
@@ -24,7 +24,7 @@ from benchmarks.moa_tau import Entry, moa_contender, split_decode
 from shared import prompt_sets as evaluation
 from shared import wire
 from shared.drafter_bundle import Precision
-from shared.graph import fold
+from shared.draft_graph import fold
 from shared.messages import ChatMessage, DraftRequest
 from shared.tree import DraftTree
 

@@ -2,7 +2,7 @@
 
 The server half of the drafter (ActivationSource, cloud_server/moa/activations.py) turns what a
 forward verified into one row per cache position. An edge whose drafts come too late to be
-used rests and pauses the rows (Draft.rows_paused, edge_client/following.py); on a link slower
+used rests and pauses the rows (Draft.rows_paused, edge_client/paced_drafts.py); on a link slower
 than the server's forward it opens the next generation resting (Open.rows_paused) and may want
 none at all. The rows of such a time are computed once the edge asks for them again, in one
 call from what the forwards kept, and never if it does not: computed after every forward they

@@ -116,7 +116,7 @@ class AutoPace:
     and auto waits up to half a step for an answer due in time, to measure it. Before, where
     the server's own candidates did well (gain_server 1.6-2.0 on code and lists), the prior
     said no wait from the first forward: the edge's drafts were overtaken unused, the edge
-    rested (edge_client/following.py), and auto waits for no resting edge, so its drafts were
+    rested (edge_client/paced_drafts.py), and auto waits for no resting edge, so its drafts were
     never measured. On `lan` 4 of 12 sessions ran so, at server pace; with the learning
     forwards 1-2 of 12 in two runs (the rest is the server's own candidates doing as well).
     Those waits are paid only once the client has sent a draft with nodes (`drafted`): an

@@ -15,7 +15,7 @@ from cloud_server.model_thread import ModelThread
 from cloud_server.security import Security
 from cloud_server.service import SplitDecodingService
 from cloud_server.target import TargetModel
-from shared import collector, keepalive
+from shared import gc_freeze, keepalive
 from shared.signals import until_stopped
 from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind, Limits
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc
@@ -70,7 +70,7 @@ async def start(service: SplitDecodingService, host: str, port: int,
              else server.add_secure_port(f"{host}:{port}", credentials))
     if bound == 0:
         raise OSError(f"cannot bind {host}:{port}")
-    collector.freeze_loaded()  # the model and drafter are loaded: no pass walks them again
+    gc_freeze.freeze_loaded()  # the model and drafter are loaded: no pass walks them again
     await server.start()
     service.start_reaper()
     for name in ("", SERVICE_NAME):

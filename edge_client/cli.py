@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from edge_client.batch import BadInput, run_batch
+from edge_client.batch_mode import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, DEFAULT_PACE, ClientOptions, EdgeClient
 from edge_client.display import TerminalView
 from edge_client.reporting import GenerationResult

@@ -10,14 +10,14 @@ from tokenizers import Tokenizer
 
 from shared.drafting.budget import TreeBudget
 from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_acceptance
-from edge_client.following import DraftSpacing
+from edge_client.paced_drafts import DraftSpacing
 from edge_client.generate import split_generate
 from edge_client.reporting import GenerationResult, Listener
 from edge_client.link import LinkConfig, LinkError, ServerLink
 from edge_client.offline import LinkPolicy
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from edge_client.tokenizer import load_tokenizer
-from shared import collector
+from shared import gc_freeze
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
 from shared.messages import (
@@ -116,7 +116,7 @@ class EdgeClient:
                                                 self.options.draft_graphs,
                                                 self.options.race_aware)
             self._spacing = DraftSpacing(reads_rows=self._drafters.needs_activations)
-        collector.freeze_loaded()  # the tokenizer and drafters: no pass walks them again
+        gc_freeze.freeze_loaded()  # the tokenizer and drafters: no pass walks them again
         return self
 
     async def __aexit__(self, *exc) -> None:

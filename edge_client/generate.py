@@ -18,10 +18,10 @@ from typing import Callable, Sequence, TypeVar
 from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.following import DraftFollower, DraftSpacing
+from edge_client.paced_drafts import DraftFollower, DraftSpacing
 from edge_client.offline import LinkPolicy, OfflinePolicy, draft_offline, reconcile
 from edge_client.outages import Outages
-from edge_client.pipeline import Speculation
+from edge_client.pipelined_drafting import Speculation
 from edge_client.reporting import GenerationResult, Listener, SilentListener
 from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
@@ -208,7 +208,7 @@ class SplitGeneration:
 
     async def _answer(self, stream: DecodeStream, follower: "DraftFollower",
                       awaited: bool) -> None:
-        """Drafts when one is due and drafts pay (following.py, DraftSpacing); offline text goes
+        """Drafts when one is due and drafts pay (paced_drafts.py, DraftSpacing); offline text goes
         at once, since the server checks it only as a draft. Else only acknowledges, and only
         now and then where the edge rests or the server does not wait for the answer
         (`awaited`; DraftFollower.needless)."""

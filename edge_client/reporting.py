@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from edge_client.following import DraftOutcomes
+from edge_client.paced_drafts import DraftOutcomes
 from shared.messages import AUTO_LONGEST_WAIT, FinishReason, Pace
 
 
@@ -56,7 +56,7 @@ class GenerationResult:
     def server_calls(self) -> int:
         """Messages the edge sent the server: a baseline's one request, or everything sent on
         the Decode streams (in lock-step an Open and one Draft a round; paced, a resting edge
-        answers only now and then, edge_client/following.py)."""
+        answers only now and then, edge_client/paced_drafts.py)."""
         return 1 if self.server_only else self.messages_up
 
     @property

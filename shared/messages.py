@@ -91,7 +91,7 @@ class ServerInfo:
     artifacts: tuple[ArtifactInfo, ...]
     verify_costs: tuple[tuple[int, float], ...] = ()  # (tree nodes, ms), nodes ascending
     activation_width: int = 0  # 0: the server computes no activations (no drafter bundle)
-    draft_graphs: bool = False  # the server unrolls draft graphs (shared/graph.py)
+    draft_graphs: bool = False  # the server unrolls draft graphs (shared/draft_graph.py)
 
 
 @dataclass(frozen=True)
@@ -181,10 +181,10 @@ class Verdict:
     draft_id: int = 0
     more: bool = False  # a part: the next Verdict continues its activations (wire.py)
     # Paced sessions: the server may wait for the answer to this Verdict (pacing.AutoPace);
-    # else a mere acknowledgement may stay unsent (edge_client/following.py)
+    # else a mere acknowledgement may stay unsent (edge_client/paced_drafts.py)
     answer_awaited: bool = False
     # Paced sessions: the server's own candidates had every token of the draft's accepted
-    # nodes (cloud_server/paced_decoder.py); a text-only edge rests after a few (following.py)
+    # nodes (cloud_server/paced_decoder.py); a text-only edge rests after a few (paced_drafts.py)
     draft_redundant: bool = False
 
     @property

@@ -11,7 +11,7 @@ from shared.acceptance import AcceptanceMode
 from shared.activation_codec import from_int8, to_int8
 from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
-from shared.graph import DraftGraph, fold
+from shared.draft_graph import DraftGraph, fold
 from shared.messages import (
     ActivationFormat, ActivationRows, ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage,
     CloseRequest, Done, DraftRequest, FinishReason, GenerateRequest, Limits, OpenRequest, Opened,
@@ -133,7 +133,7 @@ def client_to_proto(msg: ClientMessage, graphs: bool = False) -> pb.ClientMessag
 
 def draft_to_proto(msg: DraftRequest, graphs: bool) -> pb.Draft:
     """With `graphs`, a tree in breadth-first order travels as its draft graph (each repeated
-    subtree once, shared/graph.py); a tree with q always travels as it is."""
+    subtree once, shared/draft_graph.py); a tree with q always travels as it is."""
     graph = fold(msg.tree) if graphs and not msg.q else DraftGraph(msg.tree)
     aliases = list(zip(*graph.aliases)) or [(), ()]
     return pb.Draft(round_id=msg.round_id, base_length=msg.base_length,

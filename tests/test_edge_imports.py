@@ -4,7 +4,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-EDGE_MODULES = ["edge_client.cli", "edge_client.client", "edge_client.batch",
+EDGE_MODULES = ["edge_client.cli", "edge_client.client", "edge_client.batch_mode",
                 "edge_client.generate", "edge_client.link", "edge_client.drafters",
                 "edge_client.server_only", "edge_client.openai_compat.app",
                 "edge_client.openai_compat.serving", "netsim", "netsim.cli"]

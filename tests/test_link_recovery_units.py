@@ -9,7 +9,7 @@ import pytest
 from cloud_server.session_table import SessionTable
 from shared.drafting.pld import PromptLookupDrafter
 from edge_client.offline import Backoff, LinkPolicy, draft_offline, reconcile
-from edge_client.pipeline import Speculation
+from edge_client.pipelined_drafting import Speculation
 from shared.errors import Overloaded
 from shared.messages import Limits
 from shared.tree import DraftTree

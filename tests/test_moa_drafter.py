@@ -67,7 +67,7 @@ def test_merging_drafter_drafts_graphs_and_equals_plain_greedy(tiny_target, tiny
                                                                tiny_bundle):
     """GSD merging: a token repeated at one depth is expanded once and its subtree repeated
     under each parent, breadth first, so the wire sends it once; the text stays plain greedy's."""
-    from shared.graph import breadth_first, fold
+    from shared.draft_graph import breadth_first, fold
 
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=6, beam=4, branch=4,

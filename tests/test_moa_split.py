@@ -357,12 +357,12 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
     Every text stays exact."""
     from cloud_server.server_decoding import ServerDecoder
     from cloud_server.session_streams import SessionStreams
-    from edge_client import following
+    from edge_client import paced_drafts
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(following, "CARRY_GENERATIONS", 1)
+    monkeypatch.setattr(paced_drafts, "CARRY_GENERATIONS", 1)
     max_new = 48
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
     plains = [plain_greedy(tiny_target, p, max_new) for p in prompts]

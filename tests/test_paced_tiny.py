@@ -223,7 +223,7 @@ def test_at_server_pace_the_edge_leaves_mere_acknowledgements_unsent(tiny_server
 
 def test_a_prompt_lookup_edge_gets_the_text_only_spacing_and_keeps_it(tiny_server):
     """The client gives an edge whose drafter reads no activation rows the spacing that rests
-    from drafts that added nothing (DraftSpacing.reads_rows False, test_following.py has what
+    from drafts that added nothing (DraftSpacing.reads_rows False, test_paced_drafts.py has what
     it does), and carries it to the next generation."""
     async def go():
         options = ClientOptions("pld", None, MAX_NEW, pace=Pace.SERVER)

@@ -511,7 +511,7 @@ def _recording_waits(inbox: Inbox) -> list[float]:
 
 def test_auto_waits_for_no_answer_from_a_resting_client():
     """A client that rests from drafting (Draft.rows_paused) answers only now and then
-    (edge_client/following.py): auto pace goes on at once instead of waiting for its answer
+    (edge_client/paced_drafts.py): auto pace goes on at once instead of waiting for its answer
     to each Verdict, as it does for a client that answers every one."""
     async def go(resting: bool) -> list[float]:
         committed, inbox = [10], Inbox(acked=10)

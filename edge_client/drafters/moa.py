@@ -12,7 +12,7 @@ same verified boundary.
 Trees are EAGLE-2 dynamic trees (Li et al., arXiv 2406.16858, section 4): expand the `beam`
 nodes of the newest depth with the highest cumulative draft log-probability, each proposing its
 top `branch` children, then keep the best `max_nodes` overall, best first. With `merge`, nodes
-of one depth with the same token are drafted once (GSD's draft graph, shared/graph.py) and the
+of one depth with the same token are drafted once (GSD's draft graph, shared/draft_graph.py) and the
 tree, breadth first, repeats the subtree under each; the wire sends it once. With
 `lookup_nodes`, a prompt-lookup tree (pld.py) of up to that many nodes, a quarter of the budget
 at most, is merged in when the text repeats itself: copying is what a small drafter predicts
@@ -41,7 +41,7 @@ from shared.drafter_bundle import BundleError, Graph, Memory, MemoryIO, Precisio
 from shared.drafting.base import DrafterName
 from shared.drafting.race import Race, RaceRanker
 from shared.draft_q import NodeQ, Proposal
-from shared.graph import DraftGraph, breadth_first
+from shared.draft_graph import DraftGraph, breadth_first
 from shared.tree import ROOT, DraftTree
 
 LOOKUP_NODES = 16  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)

@@ -1,10 +1,10 @@
-"""The edge's side of a server-paced session (edge_client/following.py): when a draft is due,
+"""The edge's side of a server-paced session (edge_client/paced_drafts.py): when a draft is due,
 when the edge rests from drafting, and what became of each draft."""
 from __future__ import annotations
 
 import pytest
 
-from edge_client.following import (
+from edge_client.paced_drafts import (
     ACKS_PER_LEAD, CARRY_GENERATIONS, FASTER_LINK, FIRST_REST, MAX_CARRY, MAX_REST, PATIENCE,
     DraftFollower, DraftOutcomes, DraftSpacing,
 )

@@ -1,5 +1,5 @@
 """Both processes move what they loaded out of the garbage collector's reach
-(shared/collector.py), so a full collection does not stall a generation."""
+(shared/gc_freeze.py), so a full collection does not stall a generation."""
 from __future__ import annotations
 
 import asyncio

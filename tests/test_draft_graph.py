@@ -1,4 +1,5 @@
-"""Draft graphs (shared/graph.py): a tree's repeated subtrees travel once and come back exact."""
+"""Draft graphs (shared/draft_graph.py): a tree's repeated subtrees travel once and come back
+exact."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 from shared import wire
 from shared.draft_q import NodeQ
 from shared.errors import InvalidRequest
-from shared.graph import DraftGraph, breadth_first, fold
+from shared.draft_graph import DraftGraph, breadth_first, fold
 from shared.messages import DraftRequest
 from shared.tree import ROOT, DraftTree
 
