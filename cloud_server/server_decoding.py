@@ -17,7 +17,7 @@ from cloud_server.session import Session
 from cloud_server.target import TargetModel, Work
 from shared.drafting.budget import ALONE, Load, TreeBudget
 from shared.drafting import SERVER_DRAFTERS, make_drafter
-from shared.drafting.base import Drafter, DrafterName
+from shared.drafting.base import Drafter, DrafterName, reads_activations
 from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
 from shared.draft_q import Proposal
@@ -109,7 +109,7 @@ class ServerDecoder:
         """Hands a drafter that reads activations the rows the Verdict carries (the session
         computes them when the edge's drafter asked, whoever proposed this tree)."""
         drafter = self._drafter
-        if verdict.activations is not None and drafter is not None and drafter.needs_activations:
+        if verdict.activations is not None and reads_activations(drafter):
             drafter.add_activations(verdict.activations.start, verdict.activations.values)
 
 
@@ -124,7 +124,7 @@ def decode_in_process(target: TargetModel, request: OpenRequest, drafter: Drafte
                       limits: Limits = Limits()) -> InProcessRun:
     """One generation without the network: the server's session verifying `drafter`'s trees
     (None: plain decoding), the drafter fed the server half's activations when it reads them."""
-    if drafter is not None and drafter.needs_activations:
+    if reads_activations(drafter):
         request = replace(request, activations=ActivationFormat.FP16)
     session = Session(target, limits, request, activations)
     decoder = ServerDecoder(session, drafter, tree_nodes, ())

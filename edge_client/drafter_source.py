@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from shared.drafting import DRAFTERS, make_drafter
-from shared.drafting.base import Drafter, DrafterName
+from shared.drafting.base import Drafter, DrafterName, reads_activations
 from edge_client.drafters.falcon import FalconDrafter
 from edge_client.drafters.moa import MoaDrafter  # onnxruntime loads only when one is built
 from edge_client.drafters.moa_bundle import bundle_cache_dir, find_bundle, install_bundle
@@ -67,7 +67,7 @@ class DrafterPool:
         self._make = make
         self._keeps = kept is not None
         self._idle: list[Drafter] = [] if kept is None else [kept]
-        self.needs_activations = kept is not None and kept.needs_activations
+        self.needs_activations = reads_activations(kept)
 
     @contextlib.contextmanager
     def checkout(self) -> Iterator[Drafter]:

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Callable, Sequence, TypeVar
 
 from shared.drafting.budget import TreeBudget
-from shared.drafting.base import Drafter
+from shared.drafting.base import Drafter, ReadsActivations
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
 from edge_client.paced_drafts import DraftFollower, DraftSpacing
 from edge_client.offline import LinkPolicy, OfflinePolicy, draft_offline, reconcile
@@ -299,7 +299,10 @@ class SplitGeneration:
             self.listener.committed(tokens)
 
     async def _add_rows(self, rows: ActivationRows) -> None:
-        await self._off_loop(self.drafter.add_activations, rows.start, rows.values)
+        drafter = self.drafter
+        if not isinstance(drafter, ReadsActivations):
+            raise ValueError(f"the {drafter.name} drafter reads no activations")
+        await self._off_loop(drafter.add_activations, rows.start, rows.values)
         self.rows_held = rows.start + len(rows.values)
 
     async def _draft_offline(self) -> None:

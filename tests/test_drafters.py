@@ -8,7 +8,7 @@ from typing import Sequence
 import pytest
 
 from shared.drafting import DRAFTERS, make_drafter
-from shared.drafting.base import Drafter
+from shared.drafting.base import Drafter, ReadsActivations, reads_activations
 from shared.drafting.trie import TokenTrie
 from shared.tree import ROOT, DraftTree
 
@@ -151,6 +151,15 @@ def test_trie_keeps_the_best_nodes_parents_first():
     assert deep.best_tree(1) == DraftTree((3,), (ROOT,))
     assert deep.best_tree(3) == DraftTree((3, 1, 2), (ROOT, ROOT, 1))
     assert len(deep.best_tree(0)) == 0
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_a_training_free_drafter_only_proposes_and_observes(name: str):
+    """Reading the server's activations is a capability of its own (ReadsActivations), which
+    the text-only drafters lack."""
+    drafter = make_drafter(name)
+    assert not isinstance(drafter, ReadsActivations) and not reads_activations(drafter)
+    assert not reads_activations(None)
 
 
 def test_make_drafter_rejects_unknown_names():

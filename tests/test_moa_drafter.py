@@ -15,6 +15,7 @@ from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
 from edge_client.drafters.moa import MoaDrafter
 from shared.drafter_bundle import Precision
+from shared.drafting.base import reads_activations
 from shared.tree import DraftTree
 
 PROMPT = [1, 46, 47, 48, 49]
@@ -95,6 +96,7 @@ def test_activations_are_fp16_rows_of_width(tiny_target, tiny_drafter_dir):
 
 def test_drafter_needs_activations_and_rejects_gaps(tiny_bundle):
     drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32)
+    assert reads_activations(drafter)
     drafter.reset(PROMPT)
     assert len(drafter.propose(PROMPT, 8)) == 0  # nothing verified yet: nothing to offer
     with pytest.raises(ValueError):
@@ -129,7 +131,7 @@ def test_independent_baseline_feeds_its_own_memory(tiny_target, tiny_independent
     decoding with it stays lossless."""
     drafter = MoaDrafter(tiny_independent_bundle, precision=Precision.FP32, max_depth=6, beam=4,
                          branch=4)
-    assert not drafter.needs_activations
+    assert not reads_activations(drafter)
     with pytest.raises(ValueError, match="no activations"):
         drafter.add_activations(0, np.zeros((1, drafter.width), dtype=np.float32))
     tokens, per_round = split_greedy(tiny_target, None, drafter, PROMPT, 32, max_nodes=16)

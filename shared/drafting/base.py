@@ -1,12 +1,14 @@
 """The drafter interface: propose a tree from the committed text, then learn from the verdict.
 
 Same two-method shape as transformers' candidate generators (get_candidates /
-update_candidate_strategy), docs/architecture.md, Drafters.
+update_candidate_strategy), docs/architecture.md, Drafters. Reading the server half's
+activations is a capability of its own (`ReadsActivations`), as a candidate generator that
+needs more than the text (the assistant model's) keeps it to itself.
 """
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, TypeGuard, runtime_checkable
 
 import numpy as np
 
@@ -34,13 +36,6 @@ class Drafter(Protocol):
     name: DrafterName
     sampling_acceptance: AcceptanceMode  # the rule used when sampling and none was asked for
     max_depth: int  # the deepest tree it drafts
-    # Whether it reads the server half's activations: the session then asks for them, and
-    # every Verdict's rows go to add_activations.
-    needs_activations: bool
-
-    def add_activations(self, start: int, values: np.ndarray) -> None:
-        """The server half's rows for verified positions start, start + 1, ...:
-        values [rows, width]."""
 
     def reset(self, prompt: Sequence[int]) -> None:
         """Starts a new generation whose committed text is `prompt`."""
@@ -64,16 +59,30 @@ class Drafter(Protocol):
         ids the round committed (accepted drafts then the target's own token)."""
 
 
+@runtime_checkable
+class ReadsActivations(Protocol):
+    """A drafter that also reads the server half's activations (MoA, Falcon): the session then
+    asks for them, and every Verdict's rows go to add_activations."""
+
+    # False for a bundle whose memory is the text's own tokens (the Independent baseline)
+    needs_activations: bool
+
+    def add_activations(self, start: int, values: np.ndarray) -> None:
+        """The server half's rows for verified positions start, start + 1, ...:
+        values [rows, width]."""
+
+
+def reads_activations(drafter: object) -> TypeGuard[ReadsActivations]:
+    """Whether `drafter` (None: no drafter) wants the server half's activations."""
+    return isinstance(drafter, ReadsActivations) and drafter.needs_activations
+
+
 class TextDrafter:
-    """What a drafter that reads only the text has in common: no activations."""
+    """What a drafter that reads only the text has in common."""
 
     name: DrafterName
     sampling_acceptance: AcceptanceMode
     max_depth: int
-    needs_activations = False
-
-    def add_activations(self, start: int, values: np.ndarray) -> None:
-        raise ValueError(f"the {self.name} drafter reads no activations")
 
     def follow_race(self, race: Race | None) -> None:
         """Its trees come from the text alone: the same under every rule."""
