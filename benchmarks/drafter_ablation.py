@@ -80,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-new-tokens", type=int, default=96)
     p.add_argument("--temperature", type=float, default=0.7,
                    help="the sampled evaluation's temperature, beside greedy")
+    p.add_argument("--weights", choices=("fp32", "q4"), default="q4",
+                   help="the target's weights in the evaluation (moa_tau.py): the 4-bit engine "
+                        "by default, 3-4x faster on a CPU, with the same tau (`moa_tau_q4`)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     args.names = [n.strip() for n in args.variants.split(",") if n.strip()]
@@ -129,6 +132,7 @@ def evaluate(args: argparse.Namespace, names: list[str], temperature: float) -> 
     return moa_tau.main(["--drafter", str(args.out), "--drafters", entries,
                          "--per-set", str(args.per_set), "--max-new-tokens",
                          str(args.eval_new_tokens), "--temperature", str(temperature),
+                         "--weights", args.weights,
                          "--name", f"{NAME}_{label}"])["drafters"]
 
 
@@ -156,7 +160,8 @@ def report(args: argparse.Namespace, names: list[str], training: dict, greedy: d
             f"{training['answer_tokens']} answer tokens of the target's greedy answers; "
             f"training {training['train_s'] / 60:.0f} min for all together), measured in "
             f"process on {args.per_set} evaluation prompts per set, {args.eval_new_tokens} new "
-            f"tokens, no lookup nodes, int8 edge graphs; {machine()}\n\n"
+            f"tokens, no lookup nodes, int8 edge graphs, target weights {args.weights}; "
+            f"{machine()}\n\n"
             f"{markdown_table(header, rows)}\n")
     print(text)
     RESULTS.mkdir(exist_ok=True)
