@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from benchmarks import moa_tau
-from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
+from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table, write_results
 
 NAME = "drafter_ablation"
 MAIN = "last"  # the first student, written to --out itself
@@ -163,9 +163,7 @@ def report(args: argparse.Namespace, names: list[str], training: dict, greedy: d
             f"tokens, no lookup nodes, int8 edge graphs, target weights {args.weights}; "
             f"{machine()}\n\n"
             f"{markdown_table(header, rows)}\n")
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{NAME}.md").write_text(text)
+    write_results(NAME, text)
     grouped_bars(RESULTS / f"{NAME}.png", ["greedy", f"T={args.temperature:g}"],
                  {n: [greedy[n]["mean_tau"], sampled[n]["mean_tau"]] for n in names},
                  "tau (tokens per round)", "Drafter ablation, same batches (drafter_ablation.py)",

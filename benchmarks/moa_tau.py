@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 
 from shared import prompt_sets as evaluation
-from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
+from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table, write_results
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Graph, Precision, StepIO
 from shared.drafting.base import Drafter
@@ -363,9 +363,7 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> dict:
             f"{markdown_table(header, rows)}\n\nP(at least d drafts accepted in a round):\n\n"
             f"{markdown_table(depth_header, depth_rows)}\n\n{_race_fits(tested)}plain target "
             f"decode step {plain_ms:.1f} ms\n")
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(text)
+    write_results(args.name, text)
     summary = {"drafters": results, "plain_step_ms": plain_ms}
     (RESULTS / f"{args.name}.json").write_text(json.dumps(summary, indent=1))
     series = {c.name: [_tau(c.rounds[s]) for s in evaluation.SETS]
