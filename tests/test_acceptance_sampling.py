@@ -16,7 +16,7 @@ import pytest
 import shared.acceptance as acceptance
 from shared.acceptance import (Acceptance, accept_exponential_race, accept_greedy,
                                accept_sampled_drafts, accept_topk_drafts)
-from edge_client.drafters.moa import sampled_tree
+from edge_client.drafters.draft_trees import sampled_tree
 from shared.drafting.trie import TokenTrie
 from shared.draft_q import NodeQ, QRows
 from shared.errors import InvalidRequest

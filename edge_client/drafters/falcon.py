@@ -23,7 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from edge_client.drafters.moa import Expand, MoaDrafter, _Candidates, _common_prefix
+from edge_client.drafters.draft_trees import Candidates, Expand, common_prefix
+from edge_client.drafters.moa import MoaDrafter
 from shared.drafting.base import DrafterName
 from shared.tree import ROOT
 
@@ -46,7 +47,7 @@ class FalconDrafter(MoaDrafter):
         """Brings the SA cache to `context`, running at least its last `block` tokens, which see
         each other; keeps their rows (top log q and ids, [block, top_k] each) for the round's
         expander and returns the first, the tree's first level."""
-        start = _common_prefix(self._context, context[:-self.block])
+        start = common_prefix(self._context, context[:-self.block])
         new = np.asarray(context[start:], dtype=np.int64)  # [q]
         allowed = np.tril(np.ones((len(new), start + len(new)), dtype=bool), k=start)
         allowed[-self.block:] = True  # the last block sees all of it
@@ -66,7 +67,7 @@ class FalconDrafter(MoaDrafter):
         source: dict[int, tuple[int, int]] = {ROOT: (0, 0)}  # node -> its children's row
         keys, values = self._empty(self.state_heads), self._empty(self.state_heads)
 
-        def expand(nodes: _Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        def expand(nodes: Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
             nonlocal keys, values
             ends = []  # frontier nodes that end a block: their children need a step
             for node in frontier:
@@ -90,11 +91,11 @@ class FalconDrafter(MoaDrafter):
 
         return expand
 
-    def _block_of(self, nodes: _Candidates, end: int) -> list[int]:
+    def _block_of(self, nodes: Candidates, end: int) -> list[int]:
         """The `block` nodes on the path down to `end`, a block end, top first."""
         return [*reversed(nodes.ancestors(end)[:self.block - 1]), end]
 
-    def _step_blocks(self, context: Sequence[int], nodes: _Candidates, ends: list[int],
+    def _step_blocks(self, context: Sequence[int], nodes: Candidates, ends: list[int],
                      keys: np.ndarray, values: np.ndarray) -> list[np.ndarray]:
         """One step over the blocks ending at `ends`: each block's nodes see the text, the
         nodes above the block and each other. Returns top log q, ids, K, V of every query

@@ -27,65 +27,25 @@ onnxruntime only.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
+from edge_client.drafters.draft_trees import (
+    Candidates, Expand, best_graph, best_tree, common_prefix, sampled_tree,
+)
 from edge_client.drafters.moa_bundle import load_manifest
 from shared.drafting.pld import PromptLookupDrafter
-from shared.drafting.trie import SAMPLED_WIDTHS
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import BundleError, Graph, Memory, MemoryIO, Precision, StepIO
 from shared.drafting.base import DrafterName
 from shared.drafting.race import Race, RaceRanker
-from shared.draft_q import NodeQ, Proposal
-from shared.draft_graph import DraftGraph, breadth_first
+from shared.draft_q import Proposal
+from shared.draft_graph import breadth_first
 from shared.tree import ROOT, DraftTree
 
 LOOKUP_NODES = 16  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
-
-
-@dataclass
-class _Candidates:
-    """Every node drafted this round, in the order drafted."""
-
-    tokens: list[int] = field(default_factory=list)
-    parents: list[int] = field(default_factory=list)
-    scores: list[float] = field(default_factory=list)  # cumulative log q from the root
-    depths: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)  # row in the round's K/V, -1 if not expanded
-    aliases: dict[int, int] = field(default_factory=dict)  # merged node -> the node it joined
-
-    def add(self, token: int, parent: int, score: float, depth: int) -> None:
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.scores.append(score)
-        self.depths.append(depth)
-        self.slots.append(-1)
-
-    def merge(self, depth: int) -> None:
-        """GSD (Gong et al., arXiv 2407.16207, section 3): the nodes at `depth` that repeat a
-        token join the best-scoring node with it; only that one is expanded, and its subtree
-        stands for theirs."""
-        best: dict[int, int] = {}
-        for node in sorted((i for i, d in enumerate(self.depths) if d == depth),
-                           key=lambda i: -self.scores[i]):
-            joined = best.setdefault(self.tokens[node], node)
-            if joined != node:
-                self.aliases[node] = joined
-
-    def path(self, node: int) -> tuple[int, ...]:
-        """The tokens from the root to `node`, both ends included."""
-        return tuple(self.tokens[a] for a in reversed(self.ancestors(node))) + (
-            self.tokens[node],)
-
-    def ancestors(self, node: int) -> list[int]:
-        chain = []
-        while (node := self.parents[node]) != ROOT:
-            chain.append(node)
-        return chain
 
 
 class MoaDrafter:
@@ -211,7 +171,7 @@ class MoaDrafter:
     def _remember_tokens(self, context: Sequence[int]) -> None:
         """Self-fed memory: every committed token but the last, as activations would cover."""
         verified = list(context[:-1])
-        keep = _common_prefix(self._mem_ids, verified)
+        keep = common_prefix(self._mem_ids, verified)
         if keep < len(verified) or keep < len(self._mem_ids):
             self._remember(keep, np.asarray(verified[keep:], dtype=np.int64))
             self._mem_ids = verified
@@ -246,7 +206,7 @@ class MoaDrafter:
         top_logprobs, top_ids = self._sync(context)  # [top_k] each: the first level
         if self._race is not None:
             self._race.start(context)
-        nodes = _Candidates()
+        nodes = Candidates()
         for score, token in self._children(top_logprobs, top_ids, nodes, ROOT):
             nodes.add(token, ROOT, score, 0)
         expand = self._expander(context)
@@ -261,9 +221,9 @@ class MoaDrafter:
                     nodes.add(token, node, nodes.scores[node] + score, depth + 1)
             if self.merge:
                 nodes.merge(depth + 1)
-        return _best_graph(nodes, max_nodes) if nodes.aliases else _best_tree(nodes, max_nodes)
+        return best_graph(nodes, max_nodes) if nodes.aliases else best_tree(nodes, max_nodes)
 
-    def _children(self, logprobs: np.ndarray, ids: np.ndarray, nodes: _Candidates,
+    def _children(self, logprobs: np.ndarray, ids: np.ndarray, nodes: Candidates,
                   parent: int) -> list[tuple[float, int]]:
         """The `branch` children (score, token) of `parent` (ROOT: the round's context) from
         its top-k: by log q, or under a race by log P(the race picks it)."""
@@ -290,7 +250,7 @@ class MoaDrafter:
         re-runs the positions it computed from its own features where verified ones have come
         since, and runs positions past the verified ones one at a time, each reading the
         previous one's own feature."""
-        keep = _common_prefix(self._context, context[:-1])
+        keep = common_prefix(self._context, context[:-1])
         if self.recurrent and self._exact < min(keep, self.verified + 1):
             keep = self._exact
         self._context = list(context[:keep])
@@ -336,7 +296,7 @@ class MoaDrafter:
         rows[own] = self._own[positions[own] - 1]
         return rows
 
-    def _frontier(self, nodes: _Candidates, depth: int, max_nodes: int) -> list[int]:
+    def _frontier(self, nodes: Candidates, depth: int, max_nodes: int) -> list[int]:
         """The best `beam` nodes at `depth`, if any of their children could still make the
         final cut (scores only fall along a path, so below the max_nodes-th score none can)."""
         at_depth = [i for i, d in enumerate(nodes.depths) if d == depth]
@@ -355,7 +315,7 @@ class MoaDrafter:
         keys, values = self._empty(self.state_heads), self._empty(self.state_heads)
         features = np.zeros((0, self.width), dtype=np.float32)
 
-        def expand(nodes: _Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        def expand(nodes: Candidates, frontier: list[int]) -> tuple[np.ndarray, np.ndarray]:
             nonlocal keys, values, features
             parents = None if not self.recurrent else np.asarray(
                 [self._own[-1] if nodes.parents[node] == ROOT
@@ -372,7 +332,7 @@ class MoaDrafter:
 
         return expand
 
-    def _step_frontier(self, context: Sequence[int], nodes: _Candidates, frontier: list[int],
+    def _step_frontier(self, context: Sequence[int], nodes: Candidates, frontier: list[int],
                        keys: np.ndarray, values: np.ndarray,
                        features: np.ndarray | None) -> list[np.ndarray]:
         """One step over the frontier nodes under the tree mask: their top children, K/V and
@@ -388,97 +348,3 @@ class MoaDrafter:
             np.array([base + nodes.depths[i] for i in frontier], dtype=np.int64),
             np.concatenate((self._sa_keys, keys), axis=1),
             np.concatenate((self._sa_values, values), axis=1), allowed, features)[1:]
-
-
-# frontier nodes -> their top children: log q [len(frontier), k] and token ids [len(frontier), k]
-Expand = Callable[[_Candidates, list[int]], tuple[np.ndarray, np.ndarray]]
-
-
-def sampled_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand, max_nodes: int,
-                 max_depth: int, beam: int, rng: np.random.Generator,
-                 widths: tuple[int, int] = SAMPLED_WIDTHS
-                 ) -> Proposal:
-    """A tree whose children are draws from q, for acceptance sampled-drafts, and those q.
-
-    `first` is the root's top-k (log q, ids); q at a node is its top-k renormalised in
-    float32, as the wire carries it. Level by level, the `beam` nodes of the newest depth
-    with the highest path probability are expanded (EAGLE-2's dynamic tree), each drawing
-    its children at once without replacement (Gumbel top-k), as many as `widths` and the
-    budget left allow. That count is fixed before the node draws, never by what it draws:
-    the condition under which recursive rejection sampling over these children stays
-    exact (SpecInfer section 4.3), as in TokenTrie.sampled_tree."""
-    nodes, qs = _Candidates(), []
-
-    def draw(parent: int, logprobs: np.ndarray, ids: np.ndarray, width: int) -> None:
-        q = np.exp(logprobs - logprobs.max())
-        q = (q / q.sum()).astype(np.float32)  # [k]
-        qs.append(NodeQ(parent, tuple(int(t) for t in ids), tuple(map(float, q))))
-        with np.errstate(divide="ignore"):  # -inf keys where q = 0: never drawn
-            keys = np.log(q.astype(np.float64)) + rng.gumbel(size=len(q))  # [k]
-        score = 0.0 if parent == ROOT else nodes.scores[parent]
-        depth = 0 if parent == ROOT else nodes.depths[parent] + 1
-        for j in np.argsort(-keys)[:min(width, int((q > 0).sum()))]:
-            nodes.add(int(ids[j]), parent, score + float(np.log(q[j])), depth)
-
-    draw(ROOT, *first, min(widths[0], max_nodes))
-    for depth in range(max_depth - 1):
-        newest = sorted((i for i, d in enumerate(nodes.depths) if d == depth),
-                        key=lambda i: -nodes.scores[i])[:beam]
-        plan, room = [], max_nodes - len(nodes.tokens)
-        for node in newest:
-            if room == 0:
-                break
-            plan.append((node, min(widths[1], room)))
-            room -= plan[-1][1]
-        if not plan:
-            break
-        top_logprobs, top_ids = expand(nodes, [node for node, _ in plan])
-        for row, (node, width) in enumerate(plan):
-            draw(node, top_logprobs[row], top_ids[row], width)
-    return Proposal(DraftTree(tuple(nodes.tokens), tuple(nodes.parents)), tuple(qs))
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    keep, limit = 0, min(len(a), len(b))
-    while keep < limit and a[keep] == b[keep]:
-        keep += 1
-    return keep
-
-
-def _best_tree(nodes: _Candidates, max_nodes: int) -> DraftTree:
-    """The `max_nodes` best nodes by cumulative log q, best first. A child never scores above
-    its parent and ties go to the shallower node, so the set is closed under ancestors and
-    every parent precedes its children."""
-    return _graph(nodes, _ranked(nodes)[:max_nodes]).tree
-
-
-def _best_graph(nodes: _Candidates, max_nodes: int) -> DraftTree:
-    """The unrolled tree of the most best nodes whose graph unrolls to at most `max_nodes`
-    nodes (each merged node repeats the subtree it joined; one more node never shrinks the
-    unrolled tree, so a bisection finds the count)."""
-    order = _ranked(nodes)
-    low, high = 1, min(max_nodes, len(order))
-    while low < high:
-        mid = (low + high + 1) // 2
-        if len(_graph(nodes, order[:mid]).unrolled(max_nodes + 1)) <= max_nodes:
-            low = mid
-        else:
-            high = mid - 1
-    return _graph(nodes, order[:low]).unrolled(max_nodes)
-
-
-def _ranked(nodes: _Candidates) -> list[int]:
-    """Best first; a merged node right after the node it joined at equal score (it never
-    scores above it), so any leading run keeps each alias's target before it."""
-    return sorted(range(len(nodes.tokens)),
-                  key=lambda i: (-nodes.scores[i], nodes.depths[i], i in nodes.aliases))
-
-
-def _graph(nodes: _Candidates, keep: list[int]) -> DraftGraph:
-    """The nodes `keep` (a leading run of `_ranked`) as a graph in that order."""
-    index = {node: i for i, node in enumerate(keep)}
-    tree = DraftTree(tuple(nodes.tokens[i] for i in keep),
-                     tuple(ROOT if nodes.parents[i] == ROOT else index[nodes.parents[i]]
-                           for i in keep))
-    return DraftGraph(tree, tuple((index[node], index[joined])
-                                  for node, joined in nodes.aliases.items() if node in index))
