@@ -1,22 +1,19 @@
-"""Server-paced Decode sessions: forward after forward, the client's drafts joining when they
-arrive (docs/architecture.md, "Pacing").
+"""When a session's next forward waits for the client's answer to the latest Verdict: its wait
+policy (docs/architecture.md, "Pacing"), which the decode loop (decode_loop.py) asks before
+every forward.
 
-Lock-step rounds pay a round trip per forward, so tokens/s is bounded by tau / (RTT + T_verify).
-Here the server does not wait for the link: each forward verifies the freshest client draft,
-re-rooted at the committed position (shared/rerooting.py), merged with the server's own
-candidates, and streams a Verdict. Pace AUTO waits for a draft in flight only while the wait is
-expected to pay (`AutoPace`). Flow control keeps the server at most `lead` tokens past what the
-client has acknowledged. Runs on the event loop; knows nothing of gRPC or of the model:
-session_streams.py hands it a forward and a send.
+Lock-step waits always (`AlwaysWait`), so tokens/s is bounded by tau / (RTT + T_verify). Server
+pace and server-side generation never wait (`NeverWait`): each forward verifies the freshest
+client draft there is, if any. Pace AUTO waits for a draft in flight only while the wait is
+expected to pay (`AutoPace`). Runs on the event loop; knows nothing of gRPC or of the model.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
-from typing import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from shared.drafting.base import DrafterName
-from shared.messages import AUTO_LONGEST_WAIT, DraftRequest, Pace, Verdict
+from shared.messages import AUTO_LONGEST_WAIT, Pace
 from shared.moving_average import ema
 
 from cloud_server.stream_buffers import Inbox
@@ -77,8 +74,56 @@ RELEARN_AFTER = 8
 FELL_OFF = 0.75
 
 
+class WaitPolicy:
+    """How long the forward about to run waits for the client's answer (`wait`), what the
+    Verdict then tells the client (`answer_awaited`), and what the policy learns from each
+    forward and send. The base waits for nothing."""
+
+    async def wait(self, inbox: Inbox, committed: int, busy: bool) -> None:
+        """Before a forward at `committed` tokens; `busy`: other sessions have work queued."""
+
+    def answer_awaited(self, inbox: Inbox, busy: bool) -> bool:
+        """Whether the client's answer to the Verdict sent now is waited for
+        (Verdict.answer_awaited): where it is not, the client leaves mere acknowledgements
+        unsent."""
+        return False
+
+    def forwarded(self, tokens: int, fresh: bool, step_s: float, alone: int | None = None
+                  ) -> None:
+        """A forward committed `tokens` in `step_s` (see AutoPace.forwarded)."""
+
+    def sent(self, committed: int, now: float) -> None:
+        """The Verdict that made `committed` went to the client at monotonic `now`."""
+
+
+class NeverWait(WaitPolicy):
+    """Server pace and server-side generation: no forward waits for the client."""
+
+
+class AlwaysWait(WaitPolicy):
+    """Lock-step: every forward waits for the client's answer to the latest Verdict (a resume's
+    catch-up may bring the client no token, so an answer is a new message, not a length)."""
+
+    def __init__(self) -> None:
+        self._answered = 0  # the client's messages the forwards so far answered
+
+    async def wait(self, inbox: Inbox, committed: int, busy: bool) -> None:
+        await inbox.wait(lambda: inbox.answers > self._answered, None)
+        self._answered = inbox.answers
+
+    def answer_awaited(self, inbox: Inbox, busy: bool) -> bool:
+        return True
+
+
+def wait_policy(pace: Pace) -> WaitPolicy:
+    """The wait policy of a Decode session at `pace`."""
+    if pace is Pace.LOCKSTEP:
+        return AlwaysWait()
+    return AutoPace() if pace is Pace.AUTO else NeverWait()
+
+
 @dataclass
-class AutoPace:
+class AutoPace(WaitPolicy):
     """When to wait for the client's answer to the latest Verdict before the next forward.
 
     A forward after the client's answer (a fresh draft, or none) commits `gain_client` tokens
@@ -143,6 +188,18 @@ class AutoPace:
     since_fresh: int = 0  # forwards since the last one after the client's answer
     relearn_after: int = RELEARN_AFTER
     _sent_at: dict[int, float] = field(default_factory=dict)
+
+    async def wait(self, inbox: Inbox, committed: int, busy: bool) -> None:
+        """Waits for the answer while it is due in time and worth the wait (`wait_s`); a
+        resting client is never waited for."""
+        self.drafted = inbox.drafted
+        if inbox.acked < committed and not inbox.resting:
+            await inbox.wait(lambda: inbox.acked >= committed,
+                             self.wait_s(committed, time.monotonic(), busy))
+        self.answered(inbox.acked, inbox.acked_at)
+
+    def answer_awaited(self, inbox: Inbox, busy: bool) -> bool:
+        return not inbox.resting and self.awaits(busy)
 
     def allowance_s(self) -> float:
         if self.fresh_forwards < LEARNING_FORWARDS:
@@ -259,55 +316,3 @@ class AutoPace:
                 and self.since_fresh >= self.relearn_after
                 and self.gain_server <= FELL_OFF * self.without_draft()
                 and self._in_time(self._worth_s(self.gain_server)))
-
-
-@dataclass(frozen=True)
-class Forwarded:
-    """A paced forward's Verdict, and the tokens the server's own candidates alone would have
-    committed in it (None: unknown, a client draft verified alone), which AutoPace sets
-    against what the forward committed to learn what a client draft adds."""
-
-    verdict: Verdict
-    alone: int | None
-
-
-# None: the session was taken over before the forward could run
-Forward = Callable[[DraftRequest | None, float], Awaitable[Forwarded | None]]
-
-
-async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
-                    forward: Forward, send: Callable[[Verdict], Awaitable[None]], pace: Pace,
-                    lead: int, busy: Callable[[], bool] = lambda: False) -> None:
-    """Runs forwards until the generation finishes or the client goes away. `forward(draft,
-    queued_at)` verifies a draft (None: the server's own candidates only) on the model;
-    `busy()`: other sessions have work on the model (AutoPace waits longer then)."""
-    auto = AutoPace() if pace is Pace.AUTO else None
-    if auto is not None:  # the prefill's Verdict, sent before the loop
-        auto.sent(committed(), time.monotonic())
-    while not finished() and not inbox.closed:
-        if not await inbox.wait(lambda: committed() - inbox.acked < lead, None):
-            break
-
-        def fresh() -> bool:  # the client has answered the latest Verdict
-            return inbox.acked >= committed()
-
-        if auto is not None:
-            auto.drafted = inbox.drafted
-            if not fresh() and not inbox.resting:
-                await inbox.wait(fresh, auto.wait_s(committed(), time.monotonic(), busy()))
-            auto.answered(inbox.acked, inbox.acked_at)
-        if finished():  # while it waited, another stream may have taken the session over
-            break
-        was_fresh, start = fresh(), time.perf_counter()
-        forwarded = await forward(inbox.draft, start)
-        if forwarded is None:
-            break
-        verdict = forwarded.verdict
-        inbox.used(verdict.draft_id)
-        if auto is not None:
-            auto.forwarded(len(verdict.tokens), was_fresh, time.perf_counter() - start,
-                           forwarded.alone)
-        awaited = auto is not None and not inbox.resting and auto.awaits(busy())
-        await send(replace(verdict, answer_awaited=awaited) if awaited else verdict)
-        if auto is not None:
-            auto.sent(verdict.committed_length, time.monotonic())

@@ -72,12 +72,19 @@ class ServerDecoder:
         self._feed(verdict)
         return verdict
 
-    def stepping(self) -> Work[Verdict]:
-        """One target forward: a plain decoding step, or one drafted tree verified."""
+    @property
+    def drafts(self) -> bool:
+        """Whether it has candidates of its own (else each step is plain decoding)."""
+        return self._drafter is not None
+
+    def stepping(self, queued_at: float | None = None) -> Work[Verdict]:
+        """One target forward: a plain decoding step, or one drafted tree verified; the
+        Verdict names the accepted nodes. `queued_at`: when it started waiting for the
+        model (perf_counter)."""
         start = time.perf_counter()
         context = list(self.session.committed)
         proposal = self.propose(context)
-        verdict = yield from self.session.advancing(proposal)
+        verdict = yield from self.session.advancing(proposal, queued_at)
         self.learn(context, proposal.tree, verdict, start)
         return verdict
 

@@ -27,7 +27,7 @@ from cloud_server.session_table import SessionTable
 from cloud_server.target import TargetModel
 from shared import wire
 from shared.errors import InvalidRequest, NotFound, OutOfOrder, SplitDecodingError
-from shared.messages import PROTOCOL_VERSION, OpenRequest, Pace, ServerInfo
+from shared.messages import PROTOCOL_VERSION, OpenRequest, ServerInfo
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 
@@ -99,12 +99,8 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             await stream.send(session.opened(resumed))
             first = (await self._on_model(session.catch_up, opening.resume) if resumed
                      else await self.batcher.run(session.prefilling(), session.id))
-            if session.pace is Pace.LOCKSTEP:
-                await stream.send(first)
-                ended = await self.streams.lockstep(session, stream, owner)
-            else:
-                ended = await self.streams.paced(session, stream, owner, first,
-                                                 opening.rows_paused)
+            ended = await self.streams.decode(session, stream, owner, first,
+                                              opening.rows_paused)
         except SplitDecodingError:
             self.sessions.release(session, owner)
             raise

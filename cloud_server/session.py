@@ -65,7 +65,7 @@ class Session:
             RowKeeper(activations, request.activations, request.rows_paused and self.paced))
         self.rounds = 0
         # Raised by each takeover (a resume): paced work handed in under an older epoch runs
-        # no forward (PacedDecoder.stepping), so nothing is committed behind a catch-up.
+        # no forward (ForwardBuilder.stepping), so nothing is committed behind a catch-up.
         self.epoch = 0
         self.finish_reason = FinishReason.NOT_FINISHED
         self._cache: DynamicCache | None = None

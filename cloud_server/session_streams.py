@@ -1,6 +1,6 @@
-"""An open session served over its stream: lock-step rounds, paced forwards (pacing.py) or
-server-side generation, each ended by Done; a paced session whose stream breaks goes on alone
-up to its lead.
+"""An open session served over its stream by the one decode loop (decode_loop.py): a Decode
+session at its pace, or server-side generation, each ended by Done; a paced session whose
+stream breaks goes on alone up to its lead.
 
 Knows sessions, the batcher and the client's stream as domain messages (client_stream.py), not
 gRPC: the service opens or resumes the session and hands it here.
@@ -10,13 +10,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 
 from cloud_server.batching import Batcher
 from cloud_server.client_stream import ClientStream
 from cloud_server.config import ServerConfig
-from cloud_server.paced_decoder import PacedDecoder
-from cloud_server.pacing import run_paced
+from cloud_server.decode_loop import DecodeLoop, Forward
+from cloud_server.forward_builder import ForwardBuilder
+from cloud_server.pacing import NeverWait, wait_policy
 from cloud_server.server_decoding import ServerDecoder, own_drafter
 from cloud_server.session import Session
 from cloud_server.session_table import SessionTable
@@ -33,6 +33,10 @@ INLINE_ACTIVATION_BYTES = 16 * 1024
 # window (edge_client/link.py), so a Verdict never waits for the window to reopen.
 ROWS_IN_FLIGHT_BYTES = 32 * 1024
 ROWS_PART_BYTES = 16 * 1024
+
+
+async def _nobody(verdict: Verdict) -> None:
+    """Where a session going on alone sends its Verdicts: the resume's catch-up carries them."""
 
 
 class _Ended(enum.Enum):
@@ -55,63 +59,48 @@ class SessionStreams:
         self.vocab_size = vocab_size
         self._alone: set[asyncio.Task] = set()  # sessions going on after their stream broke
 
-    async def lockstep(self, session: Session, stream: ClientStream, owner: object) -> bool:
-        """Verifies drafts until the generation finishes or the client closes, then says Done;
-        anything sent after that is refused as addressed to a closed session. True when the
-        session ended; False when the stream stopped first (the client went away mid-way, or a
-        resume on another stream took the session over)."""
-        while not session.finished:
-            msg = await stream.read()
-            if msg is None or not self.sessions.owns(session, owner):
-                return False
-            if isinstance(msg, CloseRequest):
-                break
-            if isinstance(msg, OpenRequest):
-                raise OutOfOrder("a session is already open on this stream")
-            await stream.send(await self.batcher.run(session.verify(msg, time.perf_counter()),
-                                                     session.id))
-        await stream.send(session.done())
-        if await stream.read() is not None:
-            raise OutOfOrder(f"session {session.id} is closed")
-        return True
-
-    async def paced(self, session: Session, stream: ClientStream, owner: object,
-                    first: Verdict, paused: bool) -> bool:
-        """Sends `first` (the prefill's or a resume's Verdict), then runs forward after forward
-        without waiting for the client (pacing.py), its drafts read as they come; then Done.
+    async def decode(self, session: Session, stream: ClientStream, owner: object,
+                     first: Verdict, paused: bool) -> bool:
+        """Sends `first` (the prefill's or a resume's Verdict), then runs the decode loop at
+        the session's pace (decode_loop.py), the client's drafts read as they come; then Done.
         `paused`: the client opened resting (Open.rows_paused): no rows, and no waiting for it,
-        until a draft says otherwise. Returns as `lockstep` does."""
-        inbox = Inbox(len(session.committed))
+        until a draft says otherwise. Drafts still in flight after Done are dropped until the
+        client says Close, and anything after Close is refused as addressed to a closed
+        session. True when the session ended with Close; False when the stream stopped first
+        (the client went away, or a resume on another stream took the session over)."""
+        inbox = Inbox(len(session.committed), answers_each=not session.paced)
         inbox.resting = paused
-        decoder = PacedDecoder(session, self._own_decoder(session, self.config.pacing.drafter, 0),
-                               self.verify_costs)
-        epoch = session.epoch
+        own = self.config.pacing.drafter if session.paced else None
+        builder = ForwardBuilder(session, self._own_decoder(session, own, 0), self.verify_costs)
         outbox = self._outbox(stream, session)
         outbox.held(0, paused)
         reader = asyncio.create_task(self._fill(session, stream, owner, inbox, outbox))
+        loop = DecodeLoop(session, inbox, wait_policy(session.pace),
+                          self._forward(builder, session.id), outbox.send, session.lead,
+                          lambda: self.sessions.owns(session, owner),
+                          lambda: self.config.pacing.load_wait and self.batcher.pending > 0)
         try:
             # its rows can take the link a second: no forward waits for them, only for the
             # Verdict to be handed to gRPC (Outbox.send)
             await outbox.send(first)
-            await run_paced(lambda: len(session.committed),
-                            lambda: session.finished or not self.sessions.owns(session, owner),
-                            inbox, lambda draft, queued_at: self.batcher.run(
-                                decoder.stepping(draft, queued_at, epoch), session.id),
-                            outbox.send, session.pace, session.lead,
-                            lambda: self.config.pacing.load_wait and self.batcher.pending > 0)
+            await loop.run()
             if not session.finished and await reader is _Ended.GONE:
-                self._go_on_alone(session, decoder, inbox.acked, epoch)
+                self._go_on_alone(session, builder, inbox.acked)
                 return False
             await outbox.flush()
             await stream.send(session.done())
-            # Drafts still in flight are dropped until the client says Close. A stream that
-            # ends without it keeps the session for a resume: a link that went dark may have
-            # swallowed the last Verdicts, and its end can look like a clean half-close.
-            return await reader is _Ended.CLOSED
+            # A stream that ends without Close keeps the session for a resume: a link that
+            # went dark may have swallowed the last Verdicts, and its end can look like a
+            # clean half-close.
+            if await reader is not _Ended.CLOSED:
+                return False
+            if await stream.read() is not None:
+                raise OutOfOrder(f"session {session.id} is closed")
+            return True
         except SplitDecodingError:
             raise
         except BaseException:  # the stream broke
-            self._go_on_alone(session, decoder, inbox.acked, epoch)
+            self._go_on_alone(session, builder, inbox.acked)
             raise
         finally:
             reader.cancel()
@@ -120,12 +109,14 @@ class SessionStreams:
     async def server_only(self, session: Session, stream: ClientStream,
                           drafter: str | None, tree_nodes: int) -> None:
         """Server-side generation (Generate): the server drafts for itself with `drafter`,
-        trees of `tree_nodes` (0: sized by the budget), and streams every Verdict, then Done."""
-        decoder = self._own_decoder(session, drafter, tree_nodes)
+        trees of `tree_nodes` (0: sized by the budget), and streams every Verdict, then Done:
+        the decode loop never waiting, with no client to wait for."""
+        own = self._own_decoder(session, drafter, tree_nodes)
+        builder = ForwardBuilder(session, own, self.verify_costs, names_own=True)
         await stream.send(session.opened())
-        await stream.send(await self.batcher.run(decoder.prefilling(), session.id))
-        while not session.finished:
-            await stream.send(await self.batcher.run(decoder.stepping(), session.id))
+        await stream.send(await self.batcher.run(own.prefilling(), session.id))
+        await DecodeLoop(session, Inbox(len(session.committed), fed=False), NeverWait(),
+                         self._forward(builder, session.id), stream.send).run()
         await stream.send(session.done())
 
     def _own_decoder(self, session: Session, drafter: str | None,
@@ -133,21 +124,24 @@ class SessionStreams:
         return ServerDecoder(session, own_drafter(drafter, self.config.limits), tree_nodes,
                              self.verify_costs, lambda: self.batcher.last)
 
-    def _go_on_alone(self, session: Session, decoder: PacedDecoder, acked: int,
-                     epoch: int) -> None:
-        """The stream broke mid-generation: the session goes on committing up to its lead
-        past what the edge acknowledged, as it does when the link goes dark without breaking,
-        so a resume finds the tokens ready instead of the outage's worth of forwards still to
-        run. It stops at the lead, at the end, or when a resume takes the session over."""
-        async def go_on() -> None:
-            while (not session.finished and len(session.committed) - acked < session.lead
-                   and session.epoch == epoch and self.sessions.owns(session, None)):
-                work = decoder.stepping(None, time.perf_counter(), epoch)
-                if await self.batcher.run(work) is None:  # no key: nobody to gather it for
-                    break
-        if session.finished:
+    def _forward(self, builder: ForwardBuilder, key: str | None) -> Forward:
+        """The loop's forward: `builder`'s work run by the batcher, gathered under `key`
+        (None: alone)."""
+        return lambda draft, queued_at: self.batcher.run(builder.stepping(draft, queued_at),
+                                                         key)
+
+    def _go_on_alone(self, session: Session, builder: ForwardBuilder, acked: int) -> None:
+        """A paced session's stream broke mid-generation: the decode loop goes on with nobody
+        to send to, committing up to its lead past what the edge acknowledged, as it does when
+        the link goes dark without breaking, so a resume finds the tokens ready instead of the
+        outage's worth of forwards still to run. It stops at the lead, at the end, or when a
+        resume takes the session over. A lock-step session waits for its client."""
+        if session.finished or not session.paced:
             return
-        task = asyncio.get_running_loop().create_task(go_on())
+        loop = DecodeLoop(session, Inbox(acked, fed=False), NeverWait(),
+                          self._forward(builder, None), _nobody, session.lead,
+                          lambda: self.sessions.owns(session, None))
+        task = asyncio.get_running_loop().create_task(loop.run())
         self._alone.add(task)
         task.add_done_callback(self._alone_done)
 
@@ -171,7 +165,7 @@ class SessionStreams:
                 if isinstance(msg, OpenRequest):
                     raise OutOfOrder("a session is already open on this stream")
                 if not session.finished:
-                    self._check_draft(msg)
+                    self._check_draft(session, msg)
                     inbox.put(msg, len(session.committed))
                     if msg.rows_held is not None:
                         outbox.held(msg.rows_held, msg.rows_paused)
@@ -179,8 +173,9 @@ class SessionStreams:
         finally:
             inbox.close()
 
-    def _check_draft(self, draft: DraftRequest) -> None:
-        if len(draft.tree):  # an empty draft only acknowledges
+    def _check_draft(self, session: Session, draft: DraftRequest) -> None:
+        """An empty draft only acknowledges, but in lock-step each round needs a tree."""
+        if len(draft.tree) or not session.paced:
             limits = self.config.limits
             draft.tree.validate(self.vocab_size, limits.max_tree_nodes, limits.max_tree_depth)
 
@@ -191,7 +186,7 @@ class SessionStreams:
         (stream_buffers.py, Outbox). In lock-step the client drafts from the rows next, so
         they stay inside (ClientStream.send), as they do for a client that does not read
         trailing rows."""
-        if not session.trailing_rows:
+        if not session.trailing_rows or not session.paced:
             return Outbox(stream.send)
         acked = session.acks_rows
         largest = self.config.limits.max_message_bytes // 2

@@ -17,9 +17,13 @@ from shared.messages import ActivationRows, DraftRequest, Verdict
 
 class Inbox:
     """The freshest client draft, the longest committed length the client acknowledged and
-    whether it rests, filled by the stream's reader as messages arrive."""
+    whether it rests, filled by the stream's reader as messages arrive. `answers_each`
+    (lock-step): every draft answers the latest Verdict, so one from an older length is out of
+    order. `fed` False: no client fills it (server-side generation, a session going on after
+    its stream broke); nothing is waited for."""
 
-    def __init__(self, acked: int):
+    def __init__(self, acked: int, answers_each: bool = False, fed: bool = True):
+        self.answers_each, self.fed = answers_each, fed
         self.draft: DraftRequest | None = None
         self.acked = acked
         self.acked_at = time.monotonic()
@@ -27,16 +31,19 @@ class Inbox:
         # The client rests from drafting (Draft.rows_paused): it answers only now and then
         self.resting = False
         self.drafted = False  # a draft with nodes has come
+        self.answers = 0  # messages put
         self._last_id = 0
         self._changed = asyncio.Event()
 
     def put(self, draft: DraftRequest, committed: int) -> None:
         if draft.round_id <= self._last_id:
             raise OutOfOrder(f"draft {draft.round_id} after draft {self._last_id}: ids must grow")
-        if draft.base_length > committed:
+        if draft.base_length > committed or (self.answers_each
+                                             and draft.base_length < committed):
             raise OutOfOrder(f"draft continues {draft.base_length} tokens, but {committed} are "
                              "committed")
         self._last_id = draft.round_id
+        self.answers += 1
         self.resting = draft.rows_paused
         if draft.base_length > self.acked:
             self.acked, self.acked_at = draft.base_length, time.monotonic()
@@ -56,7 +63,7 @@ class Inbox:
     async def wait(self, ready: Callable[[], bool], timeout_s: float | None) -> bool:
         """Waits until `ready()` or the stream closes, at most `timeout_s`; returns ready()."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not ready() and not self.closed:
+        while not ready() and not self.closed and self.fed:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break

@@ -1,5 +1,5 @@
-"""The edge's generation loop: draft a tree, send it, commit what the server verified, repeat;
-ride out a broken link by drafting offline (the outage's timing: outages.py), then resume and
+"""The edge's generation loop: answer each Verdict (a draft, or in a paced session maybe only an
+acknowledgement), commit what the server verified, repeat; ride out a broken link by drafting offline (the outage's timing: outages.py), then resume and
 let the server judge that text. What it reports: reporting.py.
 
 Knows the drafter and the link, not the CLI. The server is the authority on what is committed:
@@ -77,8 +77,10 @@ class SplitGeneration:
         self.offline: list[int] = []  # unverified tokens continuing the context
         self.rows_held = 0  # leading positions whose activation rows the drafter holds
         self.finish = FinishReason.NOT_FINISHED
-        self._next_round = 1
         self._ready_tree: DraftTree | None = None  # from a speculation that came true
+        self._speculation: Speculation | None = None  # drafted during a lock-step round
+        self._sent_at = 0.0  # when the last answer went (perf_counter)
+        self._checking_offline = False  # the last draft sent is offline text
         self.outages = Outages(policy, self.listener, self.result)
         self._answered_at: float | None = None  # when Done arrived
 
@@ -98,16 +100,11 @@ class SplitGeneration:
         stream = self.link.decode(wait_for_ready=self.outages.down)
         try:
             await self._open(stream, start)
-            if self._session.pace is Pace.LOCKSTEP:
-                while self.finish is FinishReason.NOT_FINISHED:
-                    await self._round(stream)
-            else:
-                await self._follow(stream)
+            await self._decode(stream)
             await _expect(stream, Done)
             self._answered_at = time.perf_counter()
             with contextlib.suppress(LinkError):  # the answer is complete; a late drop is moot
-                if self._session.pace is not Pace.LOCKSTEP:  # received all: free the session
-                    await stream.send(CloseRequest())
+                await stream.send(CloseRequest())  # received all: free the session
                 await stream.finish()
         except asyncio.CancelledError:
             await _close_abandoned(stream)
@@ -143,7 +140,7 @@ class SplitGeneration:
         if resuming:
             self.result.reconnects += 1
             self.result.rebuilt_sessions += not opened.resumed
-            self._ready_tree = None
+            self._ready_tree = self._speculation = None
             if self.offline:
                 self.listener.withdraw()
         else:
@@ -165,31 +162,14 @@ class SplitGeneration:
             raise LinkError("protocol error: no session opened yet")
         return self.opened
 
-    async def _round(self, stream: DecodeStream) -> None:
-        proposal, checking_offline = await self._next_tree()
-        tree = proposal.tree
-        sent = time.perf_counter()
-        await stream.send(DraftRequest(self._next_round, len(self.context), tree, proposal.q))
-        speculation = None
-        if self.policy.pipeline and not checking_offline and not self._sampled_drafts:
-            speculation = await self._off_loop(Speculation.draft, self.drafter, self.context,
-                                               tree, self.budget.nodes())
-        verdict: Verdict = await _expect(stream, Verdict)
-        if not checking_offline:
-            self.budget.observe(len(tree), verdict.accepted_nodes,
-                                1000 * (time.perf_counter() - sent), verdict.verify_ms)
-        self.drafter.observe(self.context, tree, verdict.accepted_nodes, verdict.tokens)
-        self.result.rounds += 1
-        self.result.drafted_tokens += len(tree)
-        self.result.accepted_tokens += len(verdict.accepted_nodes)
-        await self._commit(verdict)
-        self._take_speculation(speculation, verdict)
-
-    async def _follow(self, stream: DecodeStream) -> None:
-        """A server-paced session: the server runs forward after forward; the edge answers
-        every Verdict with a draft from the new committed position, or only acknowledges it
-        while its last draft still continues the text (the server re-roots it)."""
-        follower = DraftFollower(self.spacing, self.result.drafts)
+    async def _decode(self, stream: DecodeStream) -> None:
+        """Answers each Verdict until the generation ends: with a draft from the new committed
+        position, or, in a paced session, only an acknowledgement while its last draft still
+        continues the text (the server re-roots it) or the edge rests. In lock-step every
+        answer is a draft: the server waits for it, and the edge never rests."""
+        lockstep = self._session.pace is Pace.LOCKSTEP
+        spacing = DraftSpacing(self.spacing.reads_rows, rests=False) if lockstep else self.spacing
+        follower = DraftFollower(spacing, self.result.drafts)
         await self._answer(stream, follower, awaited=True)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
@@ -199,10 +179,11 @@ class SplitGeneration:
                 if self.request.acks_rows and not follower.spacing.resting:
                     await stream.send(follower.sent(self._acknowledgement()))
                 continue
-            self._learn(follower.verified(verdict, self.context), verdict)
+            self._learn(follower.verified(verdict, self.context), verdict, lockstep)
             self.result.rounds += 1
             self.result.accepted_tokens += len(verdict.accepted_nodes)
             await self._commit(verdict)
+            self._take_speculation(verdict)
             if self.finish is FinishReason.NOT_FINISHED:
                 await self._answer(stream, follower, verdict.answer_awaited)
 
@@ -211,15 +192,23 @@ class SplitGeneration:
         """Drafts when one is due and drafts pay (paced_drafts.py, DraftSpacing); offline text goes
         at once, since the server checks it only as a draft. Else only acknowledges, and only
         now and then where the edge rests or the server does not wait for the answer
-        (`awaited`; DraftFollower.needless)."""
+        (`awaited`; DraftFollower.needless). While a lock-step server verifies a draft, the
+        edge drafts the next one for the path it expects (pipelined_drafting.py)."""
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
         due = follower.due(self.context, self.result.link_slow)
         if due and (self.offline or follower.spacing.chance()):
-            proposal, _ = await self._next_tree()
+            proposal, self._checking_offline = await self._next_tree()
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
-        if not follower.needless(draft, self._session.lead, awaited):
-            await stream.send(follower.sent(draft))
+        if follower.needless(draft, self._session.lead, awaited):
+            return
+        self._sent_at = time.perf_counter()
+        await stream.send(follower.sent(draft))
+        if (len(draft.tree) and self._session.pace is Pace.LOCKSTEP and self.policy.pipeline
+                and not self._checking_offline and not self._sampled_drafts):
+            self._speculation = await self._off_loop(Speculation.draft, self.drafter,
+                                                     self.context, draft.tree,
+                                                     self.budget.nodes())
 
     def _acknowledgement(self, rows_paused: bool = False) -> DraftRequest:
         """A draft without nodes: the committed length, the rows the edge holds and whether it
@@ -229,15 +218,19 @@ class SplitGeneration:
         return DraftRequest(0, len(self.context), DraftTree((), ()), rows_held=self.rows_held,
                             rows_paused=rows_paused)
 
-    def _learn(self, tree: DraftTree | None, verdict: Verdict) -> None:
-        """What a paced Verdict teaches: `tree` is the edge's draft it verified, re-rooted at
-        its base (None: it verified none of the edge's nodes). The link does not gate a paced
-        forward, so the budget weighs trees by their verify time alone."""
+    def _learn(self, tree: DraftTree | None, verdict: Verdict, lockstep: bool) -> None:
+        """What a Verdict teaches: `tree` is the edge's draft it verified, re-rooted at its
+        base (None: it verified none of the edge's nodes). The budget weighs a tree by the time
+        it held the text up: in lock-step the round trip, in a paced session (which the link
+        does not gate) its verify time alone. Offline text checked is not a drafted tree."""
         if tree is None:
             return
         self.drafter.observe(self.context, tree, verdict.accepted_nodes, verdict.tokens)
-        self.budget.observe(len(tree), verdict.accepted_nodes, verdict.verify_ms,
-                            verdict.verify_ms)
+        if self._checking_offline:
+            return
+        held_ms = (1000 * (time.perf_counter() - self._sent_at) if lockstep
+                   else verdict.verify_ms)
+        self.budget.observe(len(tree), verdict.accepted_nodes, held_ms, verdict.verify_ms)
 
     @property
     def _sampled_drafts(self) -> bool:
@@ -272,7 +265,10 @@ class SplitGeneration:
             return Proposal(proposal.tree, point_masses(proposal.tree))
         return proposal
 
-    def _take_speculation(self, speculation: Speculation | None, verdict: Verdict) -> None:
+    def _take_speculation(self, verdict: Verdict) -> None:
+        """The tree drafted ahead during the round comes true when the Verdict took the path it
+        expected; it is then the next round's draft."""
+        speculation, self._speculation = self._speculation, None
         if speculation is None:
             return
         self.result.speculations += 1
@@ -294,7 +290,6 @@ class SplitGeneration:
         self.offline, rewound = reconcile(self.offline, tokens)
         self.result.corrected_tokens += rewound
         self.finish = verdict.finish_reason
-        self._next_round = verdict.round_id + 1
         if tokens:
             self.listener.committed(tokens)
 

@@ -61,8 +61,9 @@ class DraftSpacing:
     drafting: what it adds comes from the rows, and resting would pause them.
     """
 
-    def __init__(self, reads_rows: bool = True) -> None:
-        self.reads_rows = reads_rows
+    def __init__(self, reads_rows: bool = True, rests: bool = True) -> None:
+        """`rests` False: never rests (lock-step, where the server waits for every draft)."""
+        self.reads_rows, self.rests = reads_rows, rests
         self._unpaid = 0  # drafts that did not pay since the last that earned
         self._rest = 0  # chances still to let pass
         self._resting = False
@@ -138,7 +139,7 @@ class DraftSpacing:
 
     def _not_paid(self) -> None:
         self._unpaid += 1
-        if self._unpaid >= PATIENCE:
+        if self._unpaid >= PATIENCE and self.rests:
             self._resting = True
             self._rest_again()
 

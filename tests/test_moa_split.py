@@ -375,8 +375,8 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
     monkeypatch.setattr(MoaDrafter, "propose", propose)
     monkeypatch.setattr(ServerDecoder, "propose",
                         lambda self, context: Proposal(DraftTree.chain([])))
-    real_serve = SessionStreams.paced
-    monkeypatch.setattr(SessionStreams, "paced",
+    real_serve = SessionStreams.decode
+    monkeypatch.setattr(SessionStreams, "decode",
                         lambda self, session, stream, owner, first, paused: (
                             log.append(("open", paused)),
                             real_serve(self, session, stream, owner, first, paused))[-1])
@@ -478,11 +478,11 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
                                                               monkeypatch):
     """The prompt's rows fill the stream's flow-control window (a slow link does the same) and
     the client has not read them yet: the server still runs its forwards, up to the lead."""
-    from cloud_server.paced_decoder import PacedDecoder
+    from cloud_server.forward_builder import ForwardBuilder
 
     forwards: list[int] = []  # the committed length each forward started from
-    real = PacedDecoder.stepping
-    monkeypatch.setattr(PacedDecoder, "stepping", lambda self, *args: (
+    real = ForwardBuilder.stepping
+    monkeypatch.setattr(ForwardBuilder, "stepping", lambda self, *args: (
         forwards.append(len(self.session.committed)), real(self, *args))[1])
     prompt = tuple(40 + i % 60 for i in range(900))  # 900 fp16 rows of width 64: 115 KB
     lead = 6

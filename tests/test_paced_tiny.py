@@ -80,19 +80,20 @@ def test_client_drafts_join_the_forwards(tiny_target):
 def test_lockstep_is_the_rounds_of_old(tiny_server):
     for r in paced_outputs(tiny_server.address, "pld", Pace.LOCKSTEP, tree_nodes=16):
         assert r.rounds + r.accepted_tokens <= len(r.output_ids) <= 1 + r.rounds + r.accepted_tokens
-        assert not r.drafts.settled  # a paced session's counts: every lock-step draft is used
+        d = r.drafts  # the server waits for every lock-step draft: each one is used
+        assert d.used == r.rounds and d.late == d.wrong == 0
 
 
 def _decoder_after_prefill(tiny_target, own: str | None, prompt: list[int]):
-    """A paced decoder on the tiny target, the server's own drafter `own`, `prompt` prefilled."""
-    from cloud_server.paced_decoder import PacedDecoder
+    """A forward builder on the tiny target, the server's own drafter `own`, `prompt` prefilled."""
+    from cloud_server.forward_builder import ForwardBuilder
     from cloud_server.server_decoding import ServerDecoder, own_drafter
     from cloud_server.session import Session
     from shared.messages import OpenRequest
 
     session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(prompt),
                                                          max_new_tokens=MAX_NEW))
-    decoder = PacedDecoder(session, ServerDecoder(session, own_drafter(own, Limits()), 0, ()), ())
+    decoder = ForwardBuilder(session, ServerDecoder(session, own_drafter(own, Limits()), 0, ()), ())
     session.prefill()
     return session, decoder
 
@@ -105,7 +106,7 @@ def test_a_forward_without_a_client_draft_credits_the_client_with_nothing(tiny_t
     session, decoder = _decoder_after_prefill(tiny_target, "pld", PROMPTS[1])
     verdicts = []
     while not session.finished:
-        verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter(), 0)).verdict)
+        verdicts.append(tiny_target.drive(decoder.stepping(None, time.perf_counter())).verdict)
     assert sum(len(v.tokens) for v in verdicts) > len(verdicts)  # lookups were accepted
     assert all(v.accepted_nodes == () for v in verdicts)
 
@@ -117,10 +118,12 @@ def test_work_handed_in_before_a_takeover_runs_no_forward(tiny_target):
 
     session, decoder = _decoder_after_prefill(tiny_target, None, PROMPTS[0])
     committed = list(session.committed)
-    work = decoder.stepping(None, time.perf_counter(), session.epoch)
+    work = decoder.stepping(None, time.perf_counter())
     session.epoch += 1  # what SessionTable.take_over does
     assert tiny_target.drive(work) is None and session.committed == committed
-    assert tiny_target.drive(decoder.stepping(None, time.perf_counter(), session.epoch))
+    assert tiny_target.drive(decoder.stepping(None, time.perf_counter())) is None
+    resumed = type(decoder)(session, decoder.own, ())  # the resuming stream's
+    assert tiny_target.drive(resumed.stepping(None, time.perf_counter()))
     assert len(session.committed) > len(committed)
 
 
@@ -129,8 +132,7 @@ def _step(tiny_target, decoder, draft_id: int, tree):
 
     from shared.messages import DraftRequest
     draft = DraftRequest(draft_id, len(decoder.session.committed), tree)
-    return tiny_target.drive(decoder.stepping(draft, time.perf_counter(),
-                                              decoder.session.epoch))
+    return tiny_target.drive(decoder.stepping(draft, time.perf_counter()))
 
 
 @pytest.mark.parametrize("wrong_forwards", [0, 6])

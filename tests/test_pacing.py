@@ -6,14 +6,17 @@ import asyncio
 import contextlib
 import queue
 import threading
+from typing import Callable
 
 import grpc
 import numpy as np
+
 import pytest
 
 from cloud_server import stream_buffers
+from cloud_server.decode_loop import DecodeLoop, Forward, Forwarded, Send
 from cloud_server.pacing import (
-    LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, Forwarded, PacingPolicy, run_paced,
+    LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, PacingPolicy, wait_policy,
 )
 from cloud_server.stream_buffers import Inbox, Outbox
 from shared import wire
@@ -25,6 +28,20 @@ from shared.tree import DraftTree
 from tests.test_server_errors import BASE, CLOSE, draft_msg, open_msg, run_stream
 
 TREE = DraftTree((7,), (-1,))
+
+
+async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
+                    forward: Forward, send: Send, pace: Pace, lead: int) -> None:
+    """The decode loop at `pace` over a session seen through two counters."""
+    class Counted:
+        @property
+        def committed(self) -> range:
+            return range(committed())
+
+        @property
+        def finished(self) -> bool:
+            return finished()
+    await DecodeLoop(Counted(), inbox, wait_policy(pace), forward, send, lead).run()
 
 
 def test_inbox_keeps_the_freshest_draft_and_the_longest_acknowledgement():

@@ -206,14 +206,14 @@ def test_a_broken_paced_stream_leaves_its_session_running_to_the_lead(isolated_s
     session goes on committing, up to the lead past what the edge acknowledged or to the end,
     so the resume gets those tokens at once instead of running the outage's forwards after it.
     The text stays exact."""
-    from cloud_server.paced_decoder import PacedDecoder
+    from cloud_server.forward_builder import ForwardBuilder
 
-    real = PacedDecoder.stepping
+    real = ForwardBuilder.stepping
 
     def slow(self, *args):  # 20 ms a forward: the cut comes long before the lead
         time.sleep(0.02)
         return (yield from real(self, *args))
-    monkeypatch.setattr(PacedDecoder, "stepping", slow)
+    monkeypatch.setattr(ForwardBuilder, "stepping", slow)
 
     async def go() -> tuple[Verdict, list[int]]:
         async with ServerLink(isolated_server.address) as link:

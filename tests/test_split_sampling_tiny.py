@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from typing import Sequence
 
 import pytest
 import torch
@@ -29,17 +30,18 @@ def generate(address: str, drafter: str, nodes: int | None, sampling: SamplingPa
 
 
 @torch.inference_mode()
-def race_reference(target, sampling: SamplingParams) -> list[int]:
+def race_reference(target, sampling: SamplingParams, prompt: Sequence[int] = tuple(PROMPT),
+                   max_new: int = MAX_NEW) -> list[int]:
     """Token-by-token decoding where each token is the race winner under the target's p."""
-    ids, stops = list(PROMPT), set(target.stop_token_ids())
-    while len(ids) - len(PROMPT) < MAX_NEW:
+    ids, stops = list(prompt), set(target.stop_token_ids())
+    while len(ids) - len(prompt) < max_new:
         ids_on_device = torch.tensor([ids], device=target.device)
         logits = target.model(input_ids=ids_on_device).logits[0, -1].float().cpu().numpy()
         ids.append(race_winner(warp(logits, sampling),
                                race_noise(sampling.seed, len(ids), target.vocab_size)))
         if ids[-1] in stops:
             break
-    return ids[len(PROMPT):]
+    return ids[len(prompt):]
 
 
 def test_exponential_race_text_is_the_same_whatever_the_drafter(tiny_server, tiny_target):

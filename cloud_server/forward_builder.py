@@ -1,5 +1,8 @@
-"""What one server-paced forward verifies: the client's freshest draft, re-rooted at the
-committed position, merged with the server's own candidates (docs/architecture.md, "Pacing").
+"""What one forward of the decode loop (decode_loop.py) verifies: the client's freshest draft,
+re-rooted at the committed position (a no-op where it continues the committed text, as every
+lock-step draft does), merged with the server's own candidates and cut to the tree budget
+(docs/architecture.md, "Pacing"). Without a client draft it is the server's own step; without
+candidates of its own (lock-step) the client's draft is verified as sent.
 
 Whose nodes come first in the merged tree, and so survive the tree budget, is learned per
 session (`Precedence`); the Verdict names the client's accepted nodes by their index in the
@@ -10,10 +13,9 @@ the model thread; knows nothing of gRPC.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
-from cloud_server.pacing import Forwarded
+from cloud_server.decode_loop import Forwarded
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
 from cloud_server.target import Work
@@ -25,36 +27,38 @@ from shared.moving_average import ema
 from shared.rerooting import reroot
 
 
-class PacedDecoder:
+class ForwardBuilder:
+    """Builds and runs a session's forwards. `names_own`: the Verdict names the server's own
+    accepted nodes when it verified no client draft (server-side generation); else it names
+    the client's only, so the edge counts what its drafts earned."""
+
     def __init__(self, session: Session, own: ServerDecoder,
-                 verify_costs: tuple[tuple[int, float], ...]):
+                 verify_costs: tuple[tuple[int, float], ...], names_own: bool = False):
         self.session = session
         self.own = own
+        self.names_own = names_own
+        self.epoch = session.epoch  # a resume after this takes the session over
         # Sizes the merged tree: a stale client draft's nodes cost verify time whether or not
         # they are accepted, and on a CPU server a tree costs clearly more than one token.
         self._budget = TreeBudget(verify_costs, session.limits.max_tree_nodes)
         self._precedence = Precedence()
 
-    def stepping(self, draft: DraftRequest | None, queued_at: float, epoch: int
+    def stepping(self, draft: DraftRequest | None, queued_at: float
                  ) -> Work[Forwarded | None]:
         """One forward; None, and no forward, when a resume took the session over after this
-        work was handed in under `epoch` (the check runs on the model thread, in the same call
-        as the forward, so a catch-up never misses what it commits)."""
-        if self.session.epoch != epoch:
+        builder was made (the check runs on the model thread, in the same call as the
+        forward, so a catch-up never misses what it commits)."""
+        if self.session.epoch != self.epoch:
             return None
-        start = time.perf_counter()
         context = list(self.session.committed)
         client = (None if draft is None
                   else reroot(draft.tree, draft.base_length, context, draft.q))
         if draft is None or client is None:
-            own = self.own.propose(context)
-            # The Verdict names the client's accepted nodes only (none here): the edge counts
-            # what its drafts earned from it. The server's drafter learns from its own path.
-            verdict = yield from self.session.advancing(own, queued_at, names_nodes=False)
-            mine = replace(verdict, accepted_nodes=tuple(own.tree.walk(verdict.tokens[:-1])))
-            self.own.learn(context, own.tree, mine, start)
+            verdict = yield from self.own.stepping(queued_at)
+            if not self.names_own:
+                verdict = replace(verdict, accepted_nodes=())
             return Forwarded(verdict, len(verdict.tokens))
-        if self.session.acceptance is AcceptanceMode.SAMPLED_DRAFTS:
+        if not self.own.drafts or self.session.acceptance is AcceptanceMode.SAMPLED_DRAFTS:
             # Any tree is lossless under the other rules; a sampled one must stay as drawn.
             verdict = yield from self.session.advancing(client.proposal, queued_at,
                                                         draft.round_id)
