@@ -6,9 +6,10 @@ target pass per batch, so the batches, the verified boundaries and the steps are
 all: the server half reading the last layer's output (`last`, EAGLE's feature) or Layer
 Self-Attention over every second layer's K/V (`lsa2`) or every layer's (`lsa1`, the paper's),
 each with Target Layer Inference over the target's last 0, 1 or 2 layers (`-tli N`); Falcon's
-semi-autoregressive drafter drafting blocks of 2 and 3 (on `last`, with EAGLE-2's dynamic tree:
-Falcon's own Custom-Designed Decoding Tree is not built); and the Independent baseline (the
-same network blind to the target) as the floor. The training prompts are the project's training
+semi-autoregressive drafter drafting blocks of 2 and 3 (on `last`), each with EAGLE-2's dynamic
+tree and with a Custom-Designed Decoding Tree (`+cddt`: a static tree designed from its
+measured ranks on held-out training-source prompts, benchmarks/tree_design.py); and the
+Independent baseline (the same network blind to the target) as the floor. The training prompts are the project's training
 sources, answered greedily by the target and cached in --out; the evaluation prompts are the
 evaluation sets (shared/prompt_sets.py), never trained on.
 
@@ -78,12 +79,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-vocab", type=int, default=8192)
     p.add_argument("--per-set", type=int, default=2, help="evaluation prompts per set")
     p.add_argument("--eval-new-tokens", type=int, default=96)
+    p.add_argument("--max-nodes", type=int, default=64, help="every variant's tree budget")
+    p.add_argument("--calibration-prompts", type=int, default=12,
+                   help="held-out training-source prompts a +cddt tree is designed on")
     p.add_argument("--temperature", type=float, default=0.7,
                    help="the sampled evaluation's temperature, beside greedy")
     p.add_argument("--weights", choices=("fp32", "q4"), default="q4",
                    help="the target's weights in the evaluation (moa_tau.py): the 4-bit engine "
                         "by default, 3-4x faster on a CPU, with the same tau (`moa_tau_q4`)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default=NAME, help="results file stem")
     args = p.parse_args(argv)
     args.names = [n.strip() for n in args.variants.split(",") if n.strip()]
     if args.names[:1] != [MAIN] or set(args.names) - set(KNOWN):
@@ -125,15 +130,40 @@ def train(args: argparse.Namespace, names: list[str]) -> dict:
     return summary
 
 
+def variant_dir(args: argparse.Namespace, name: str) -> Path:
+    """Where a variant's weights are (`name` without its +suffix)."""
+    base = name.split("+")[0]
+    return args.out if base == MAIN else args.out / base
+
+
+def design_trees(args: argparse.Namespace, names: list[str]) -> list[str]:
+    """Designs each Falcon variant's static tree (once); the names to evaluate, each Falcon
+    variant followed by its +cddt."""
+    from edge_client.drafters.static_trees import CHOICES_FILE
+
+    from benchmarks.tree_design import design_tree
+
+    evaluated = []
+    for name in names:
+        evaluated.append(name)
+        if name.startswith("falcon"):
+            if not (variant_dir(args, name) / CHOICES_FILE).exists():
+                design_tree(variant_dir(args, name), args.max_nodes, args.calibration_prompts,
+                            args.prompts, args.eval_new_tokens, args.weights)
+            evaluated.append(f"{name}+cddt")
+    return evaluated
+
+
 def evaluate(args: argparse.Namespace, names: list[str], temperature: float) -> dict:
     """benchmarks/moa_tau.py over every variant (no lookup nodes)."""
-    entries = ",".join(f"{n}={args.out if n == MAIN else args.out / n}" for n in names)
+    entries = ",".join(f"{n.split('+')[0]}={variant_dir(args, n)}"
+                       + "".join(f"+{s}" for s in n.split("+")[1:]) for n in names)
     label = "greedy" if temperature == 0 else f"t{temperature:g}"
     return moa_tau.main(["--drafter", str(args.out), "--drafters", entries,
                          "--per-set", str(args.per_set), "--max-new-tokens",
                          str(args.eval_new_tokens), "--temperature", str(temperature),
-                         "--weights", args.weights,
-                         "--name", f"{NAME}_{label}"])["drafters"]
+                         "--weights", args.weights, "--max-nodes", str(args.max_nodes),
+                         "--name", f"{args.name}_{label}"])["drafters"]
 
 
 def report(args: argparse.Namespace, names: list[str], training: dict, greedy: dict,
@@ -147,8 +177,9 @@ def report(args: argparse.Namespace, names: list[str], training: dict, greedy: d
               "= plain greedy")
     rows = []
     for name in names:
-        config = MoaConfig.load((args.out if name == MAIN else args.out / name) / CONFIG)
-        top1 = training["final"].get("top1" if name == MAIN else f"{name}_top1")
+        config = MoaConfig.load(variant_dir(args, name) / CONFIG)
+        base = name.split("+")[0]
+        top1 = training["final"].get("top1" if base == MAIN else f"{base}_top1")
         one, eight = greedy[name]["edge_step_ms"]
         rows.append((name, f"{top1:.3f}" if top1 is not None else "-",
                      f"{greedy[name]['mean_tau']:.2f}", f"{sampled[name]['mean_tau']:.2f}",
@@ -163,8 +194,8 @@ def report(args: argparse.Namespace, names: list[str], training: dict, greedy: d
             f"tokens, no lookup nodes, int8 edge graphs, target weights {args.weights}; "
             f"{machine()}\n\n"
             f"{markdown_table(header, rows)}\n")
-    write_results(NAME, text)
-    grouped_bars(RESULTS / f"{NAME}.png", ["greedy", f"T={args.temperature:g}"],
+    write_results(args.name, text)
+    grouped_bars(RESULTS / f"{args.name}.png", ["greedy", f"T={args.temperature:g}"],
                  {n: [greedy[n]["mean_tau"], sampled[n]["mean_tau"]] for n in names},
                  "tau (tokens per round)", "Drafter ablation, same batches (drafter_ablation.py)",
                  baseline=1.0)
@@ -175,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     names = args.names
     training = train(args, names)
     print(f"trained: {json.dumps(training['final'])}", file=sys.stderr, flush=True)
+    names = design_trees(args, names)
     greedy = evaluate(args, names, 0.0)
     sampled = evaluate(args, names, args.temperature)
     report(args, names, training, greedy, sampled)

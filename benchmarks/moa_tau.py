@@ -14,7 +14,9 @@ subdirectory of it that train-drafter wrote (independent, last, fused, kv); LABE
 another trained drafter (a Falcon one, trained with --method falcon, drafts --block tokens per
 step: edge_client/drafters/falcon.py); any trained entry with +lookup merges prompt-lookup nodes
 into its trees, with +graphs merges repeated tokens into draft graphs (GSD), and with +race
-ranks children by the session's race under --acceptance exponential-race (ERSD).
+ranks children by the session's race under --acceptance exponential-race (ERSD), and with +cddt
+drafts the static tree designed for it (benchmarks/tree_design.py) instead of EAGLE-2's
+dynamic tree.
 
     python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
@@ -138,19 +140,21 @@ TRAINING_FREE = ("pld", "aded", "recycle")  # recycle: Token Recycling, the serv
 LOOKUP = "+lookup"
 GRAPHS = "+graphs"
 RACE = "+race"  # under exponential-race: rank children by the fitted race ranker
-SUFFIXES = {LOOKUP[1:], GRAPHS[1:], RACE[1:]}
+CDDT = "+cddt"  # the static tree designed for the drafter (benchmarks/tree_design.py)
+SUFFIXES = {LOOKUP[1:], GRAPHS[1:], RACE[1:], CDDT[1:]}
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One trained drafter of --drafters: LABEL=DIR or a name, then any of +lookup, +graphs
-    and +race."""
+    """One trained drafter of --drafters: LABEL=DIR or a name, then any of +lookup, +graphs,
+    +race and +cddt."""
 
     name: str  # the label in the tables, with its suffixes
     directory: Path
     lookup: bool
     graphs: bool
     race: bool
+    cddt: bool = False
 
     @classmethod
     def parse(cls, text: str, drafter: Path) -> "Entry":
@@ -160,11 +164,15 @@ class Entry:
         if set(suffixes) - SUFFIXES:
             raise ValueError(f"{text}: the suffixes are {', '.join(sorted(SUFFIXES))}")
         return cls("+".join((label, *suffixes)), directory, LOOKUP[1:] in suffixes,
-                   GRAPHS[1:] in suffixes, RACE[1:] in suffixes)
+                   GRAPHS[1:] in suffixes, RACE[1:] in suffixes, CDDT[1:] in suffixes)
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Runs the benchmark for a command line (sys.argv's by default); returns its results."""
+    return run(parse_args(argv))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from cloud_server.moa.weights import TRAINED, WEIGHTS
 
     p = argparse.ArgumentParser(description=__doc__)
@@ -208,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not (directory / WEIGHTS).is_file():
             p.error(f"--drafters {entry}: no trained drafter in {directory} (train one with "
                     "`cloud-server train-drafter`, or leave it out)")
-    return run(args)
+    return args
 
 
 @dataclass
@@ -253,6 +261,7 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
     from cloud_server.moa.weights import CONFIG
     from edge_client.drafters.falcon import FalconDrafter
     from edge_client.drafters.moa import MoaDrafter
+    from edge_client.drafters import static_trees
     from edge_client.drafters.moa_bundle import load_manifest
     from shared.cache import cache_root
 
@@ -268,19 +277,26 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
     kind = FalconDrafter if manifest.block > 1 else MoaDrafter
     drafter = kind(bundle, precision=args.precision, max_depth=args.max_depth,
                    lookup_nodes=args.lookup_nodes if entry.lookup else 0, merge=entry.graphs,
-                   race_aware=entry.race)
+                   race_aware=entry.race,
+                   choices=static_trees.load(entry.directory) if entry.cddt else None)
     return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls,
                      (lambda: drafter.ranker) if entry.race else None)
 
 
-def run(args: argparse.Namespace) -> dict:
+def load_target(args: argparse.Namespace):
+    """The default target as `args` ask (device, dtype, weights)."""
     from cloud_server import model_store
-    from cloud_server.reference import compare, plain_greedy
     from cloud_server.target import TargetModel
 
     gguf = model_store.gguf_of(model_store.DEFAULT_SPEC) if args.weights == "q4" else None
-    target = TargetModel.load(*model_store.resolve("default"), args.device,
-                              precision=args.dtype, weights=args.weights, gguf=gguf)
+    return TargetModel.load(*model_store.resolve("default"), args.device,
+                            precision=args.dtype, weights=args.weights, gguf=gguf)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from cloud_server.reference import compare, plain_greedy
+
+    target = load_target(args)
     tested = contenders(args, target)
     greedy = args.temperature == 0
     for name in evaluation.SETS:

@@ -22,7 +22,7 @@ from cloud_server.target import Work
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.drafting.budget import TreeBudget
-from shared.messages import DraftRequest, Verdict
+from shared.messages import DraftRequest
 from shared.moving_average import ema
 from shared.rerooting import reroot
 

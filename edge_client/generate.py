@@ -1,6 +1,7 @@
 """The edge's generation loop: answer each Verdict (a draft, or in a paced session maybe only an
-acknowledgement), commit what the server verified, repeat; ride out a broken link by drafting offline (the outage's timing: outages.py), then resume and
-let the server judge that text. What it reports: reporting.py.
+acknowledgement), commit what the server verified, repeat; ride out a broken link by drafting
+offline (the outage's timing: outages.py), then resume and let the server judge that text.
+What it reports: reporting.py.
 
 Knows the drafter and the link, not the CLI. The server is the authority on what is committed:
 the edge only ever appends the tokens a Verdict carries, and offline tokens stay apart until a

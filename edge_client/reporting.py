@@ -55,8 +55,8 @@ class GenerationResult:
     @property
     def server_calls(self) -> int:
         """Messages the edge sent the server: a baseline's one request, or everything sent on
-        the Decode streams (in lock-step an Open, one Draft a round and a Close; paced, a resting edge
-        answers only now and then, edge_client/paced_drafts.py)."""
+        the Decode streams (in lock-step an Open, one Draft a round and a Close; paced, a
+        resting edge answers only now and then, edge_client/paced_drafts.py)."""
         return 1 if self.server_only else self.messages_up
 
     @property

@@ -36,6 +36,7 @@ from edge_client.drafters.draft_trees import (
     Candidates, Expand, best_graph, best_tree, common_prefix, sampled_tree,
 )
 from edge_client.drafters.moa_bundle import load_manifest
+from edge_client.drafters.static_trees import Choice, static_tree
 from shared.drafting.pld import PromptLookupDrafter
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import BundleError, Graph, Memory, MemoryIO, Precision, StepIO
@@ -57,7 +58,8 @@ class MoaDrafter:
     def __init__(self, bundle_dir: Path, precision: Precision = Precision.INT8, max_depth: int = 8,
                  beam: int = 8, branch: int = 8, threads: int = 1,
                  lookup_nodes: int = LOOKUP_NODES, merge: bool = False,
-                 race_aware: bool = False) -> None:
+                 race_aware: bool = False, choices: Sequence[Choice] | None = None) -> None:
+        """`choices`: a static tree's shape (static_trees.py); None: EAGLE-2's dynamic tree."""
         import onnxruntime as ort
 
         manifest = load_manifest(bundle_dir)
@@ -76,9 +78,11 @@ class MoaDrafter:
         self.needs_activations = self.memory is Memory.ACTIVATIONS
         self.recurrent = manifest.recurrent
         self.max_depth, self.beam = max_depth, beam
+        self.top_k = manifest.top_k  # the step graph's candidates per row
         self.branch = min(branch, manifest.top_k)
         self.lookup_nodes = lookup_nodes
         self.merge = merge
+        self.choices = None if choices is None else tuple(choices)
         self.step_calls = 0  # step graph runs so far (benchmarks/moa_tau.py: steps per round)
         self.race_aware = race_aware
         self._race: RaceRanker | None = None  # this session's, under exponential-race
@@ -204,6 +208,9 @@ class MoaDrafter:
         if max_nodes < 1 or not self._ready(context):
             return DraftTree((), ())
         top_logprobs, top_ids = self._sync(context)  # [top_k] each: the first level
+        if self.choices is not None:
+            return static_tree((top_logprobs, top_ids), self._expander(context), self.choices,
+                               max_nodes)
         if self._race is not None:
             self._race.start(context)
         nodes = Candidates()
@@ -222,6 +229,23 @@ class MoaDrafter:
             if self.merge:
                 nodes.merge(depth + 1)
         return best_graph(nodes, max_nodes) if nodes.aliases else best_tree(nodes, max_nodes)
+
+    def ranks_along(self, context: Sequence[int], truth: Sequence[int]) -> list[int]:
+        """The rank of each token of `truth` (the target's text after `context`) among the
+        drafter's top-k at its depth, down the path while it stays among them (-1 where it
+        fell outside): what a static tree is designed from (static_trees.py)."""
+        if not self._ready(context):
+            return []
+        ids = self._sync(context)[1]
+        expand, nodes, ranks = self._expander(context), Candidates(), []
+        for depth, token in enumerate(truth[:self.max_depth]):
+            hit = np.flatnonzero(ids == token)
+            ranks.append(int(hit[0]) if hit.size else -1)
+            if not hit.size or depth + 1 == self.max_depth:
+                break
+            nodes.add(int(token), len(nodes.tokens) - 1 if depth else ROOT, 0.0, depth)
+            ids = expand(nodes, [len(nodes.tokens) - 1])[1][0]
+        return ranks
 
     def _children(self, logprobs: np.ndarray, ids: np.ndarray, nodes: Candidates,
                   parent: int) -> list[tuple[float, int]]:

@@ -1,0 +1,107 @@
+"""Designs a trained drafter's static tree (Falcon's Custom-Designed Decoding Tree, designed from
+measurement: edge_client/drafters/static_trees.py) and writes it into the drafter's directory,
+where `moa_tau --drafters LABEL=DIR+cddt` reads it.
+
+The calibration decodes held-out prompts of the training sources (never an evaluation prompt,
+never a prompt the drafters of `drafter_ablation` trained on: those are the first --skip)
+split in process, and before every round walks the drafter down the target's own greedy text:
+the rank of each token among its top-k, given the path above was right.
+
+    python -m benchmarks.tree_design --drafter-dir runs/ablation/falcon-2 --max-nodes 64
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from benchmarks import moa_tau
+from edge_client.drafters import static_trees
+from shared.drafting.race import Race
+from shared.tree import DraftTree
+
+
+class WalkingDrafter:
+    """A trained drafter in process that, before each round's tree, walks the target's text
+    `text` (prompt and greedy answer) down its ranks (MoaDrafter.ranks_along)."""
+
+    def __init__(self, drafter, text: Sequence[int]) -> None:
+        self.drafter, self.text = drafter, list(text)
+        self.name = drafter.name
+        self.walks: list[list[int]] = []
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.drafter.reset(prompt)
+
+    def follow_race(self, race: Race | None) -> None:
+        self.drafter.follow_race(race)
+
+    def add_activations(self, start: int, values: np.ndarray) -> None:
+        self.drafter.add_activations(start, values)
+
+    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        if len(context) < len(self.text):
+            self.walks.append(self.drafter.ranks_along(context, self.text[len(context):]))
+        return self.drafter.propose(context, max_nodes)
+
+    def propose_sampled(self, context: Sequence[int], max_nodes: int,
+                        rng: np.random.Generator):
+        raise NotImplementedError("the calibration decodes greedily")
+
+    def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
+                tokens: tuple[int, ...]) -> None:
+        self.drafter.observe(context, tree, accepted_nodes, tokens)
+
+
+def calibration_prompts(target, skip: int, count: int) -> list[list[int]]:
+    from cloud_server.training import data, prompt_sources
+
+    texts = prompt_sources.training_prompts(("eval-framework", "sharegpt", "chitchat"))
+    return data.encode_prompts(target, texts[skip:skip + count], 256)
+
+
+def design_tree(drafter_dir: Path, max_nodes: int, prompts: int, skip: int, max_new: int,
+                weights: str) -> Path:
+    """Calibrates the drafter in `drafter_dir`, designs its tree and writes it there."""
+    from cloud_server.reference import plain_greedy
+
+    args = moa_tau.parse_args(["--drafter", str(drafter_dir), "--drafters",
+                               f"calibrated={drafter_dir}", "--max-nodes", str(max_nodes),
+                               "--weights", weights])
+    target = moa_tau.load_target(args)
+    contender = moa_tau.moa_contender(args, target, moa_tau.Entry.parse(
+        f"calibrated={drafter_dir}", drafter_dir))
+    walks: list[list[int]] = []
+    for i, prompt in enumerate(calibration_prompts(target, skip, prompts)):
+        answer = plain_greedy(target, prompt, max_new)
+        walker = WalkingDrafter(contender.drafter, [*prompt, *answer])
+        moa_tau.split_decode(target, contender.server, walker, prompt, max_new, max_nodes)
+        walks += walker.walks
+        print(f"calibration prompt {i + 1}/{prompts}: {len(walks)} walks", file=sys.stderr,
+              flush=True)
+    hits = static_trees.rank_hits(walks, args.max_depth, contender.drafter.top_k)
+    choices = static_trees.design(hits, max_nodes)
+    return static_trees.save(drafter_dir, choices, hits, len(walks))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafter-dir", type=Path, required=True, help="a trained drafter")
+    p.add_argument("--max-nodes", type=int, default=64, help="the tree's nodes")
+    p.add_argument("--prompts", type=int, default=12, help="calibration prompts")
+    p.add_argument("--skip", type=int, default=400,
+                   help="training-source prompts to pass over (those the drafter trained on)")
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--weights", choices=("fp32", "q4"), default="q4")
+    args = p.parse_args(argv)
+    path = design_tree(args.drafter_dir, args.max_nodes, args.prompts, args.skip,
+                       args.max_new_tokens, args.weights)
+    print(path.read_text())
+
+
+if __name__ == "__main__":
+    main()
