@@ -14,46 +14,9 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
-
-import numpy as np
 
 from benchmarks import moa_tau
 from edge_client.drafters import static_trees
-from shared.drafting.race import Race
-from shared.tree import DraftTree
-
-
-class WalkingDrafter:
-    """A trained drafter in process that, before each round's tree, walks the target's text
-    `text` (prompt and greedy answer) down its ranks (MoaDrafter.ranks_along)."""
-
-    def __init__(self, drafter, text: Sequence[int]) -> None:
-        self.drafter, self.text = drafter, list(text)
-        self.name = drafter.name
-        self.walks: list[list[int]] = []
-
-    def reset(self, prompt: Sequence[int]) -> None:
-        self.drafter.reset(prompt)
-
-    def follow_race(self, race: Race | None) -> None:
-        self.drafter.follow_race(race)
-
-    def add_activations(self, start: int, values: np.ndarray) -> None:
-        self.drafter.add_activations(start, values)
-
-    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        if len(context) < len(self.text):
-            self.walks.append(self.drafter.ranks_along(context, self.text[len(context):]))
-        return self.drafter.propose(context, max_nodes)
-
-    def propose_sampled(self, context: Sequence[int], max_nodes: int,
-                        rng: np.random.Generator):
-        raise NotImplementedError("the calibration decodes greedily")
-
-    def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
-                tokens: tuple[int, ...]) -> None:
-        self.drafter.observe(context, tree, accepted_nodes, tokens)
 
 
 def calibration_prompts(target, skip: int, count: int) -> list[list[int]]:
@@ -77,12 +40,15 @@ def design_tree(drafter_dir: Path, max_nodes: int, prompts: int, skip: int, max_
     walks: list[list[int]] = []
     for i, prompt in enumerate(calibration_prompts(target, skip, prompts)):
         answer = plain_greedy(target, prompt, max_new)
-        walker = WalkingDrafter(contender.drafter, [*prompt, *answer])
+        walker = static_trees.RankWalker(contender.drafter, [*prompt, *answer])
         moa_tau.split_decode(target, contender.server, walker, prompt, max_new, max_nodes)
         walks += walker.walks
         print(f"calibration prompt {i + 1}/{prompts}: {len(walks)} walks", file=sys.stderr,
               flush=True)
     hits = static_trees.rank_hits(walks, args.max_depth, contender.drafter.top_k)
+    if not hits[0].any():
+        raise RuntimeError(f"{drafter_dir}: in {len(walks)} walks the drafter never ranked the "
+                           "target's next token among its top-k: no tree to design")
     choices = static_trees.design(hits, max_nodes)
     return static_trees.save(drafter_dir, choices, hits, len(walks))
 

@@ -82,6 +82,20 @@ def test_falcon_drafts_its_designed_tree_and_stays_lossless(tiny_target, tiny_fa
     assert max(per_round) > 1
 
 
+def test_a_tree_is_designed_from_walks_down_the_targets_text(tiny_target, tiny_falcon_dir,
+                                                            tiny_falcon_bundle):
+    """What benchmarks/tree_design.py does on the real model: walks gathered while the drafter
+    decodes in process (the activations reach it through the walker), a design from them."""
+    _, server, _ = falcon_parts(tiny_target, tiny_falcon_dir)
+    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6)
+    answer = plain_greedy(tiny_target, PROMPT, 24)
+    walker = static_trees.RankWalker(drafter, [*PROMPT, *answer])
+    tokens, per_round = split_greedy(tiny_target, server, walker, PROMPT, 24, max_nodes=8)
+    assert tokens == answer and len(walker.walks) == len(per_round)
+    hits = static_trees.rank_hits(walker.walks, depth=6, top_k=drafter.top_k)
+    assert hits[0].any() and static_trees.design(hits, 8)
+
+
 def test_a_drafter_directory_without_a_design_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="design one first"):
         static_trees.load(tmp_path)

@@ -15,12 +15,16 @@ from __future__ import annotations
 import heapq
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from edge_client.drafters.draft_trees import Candidates, Expand
+from shared.drafting.race import Race
 from shared.tree import ROOT, DraftTree
+
+if TYPE_CHECKING:
+    from edge_client.drafters.moa import MoaDrafter
 
 Choice = tuple[int, ...]
 CHOICES_FILE = "tree_choices.json"  # a drafter directory's designed shape
@@ -49,6 +53,40 @@ def static_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand,
                 nodes.add(int(ids[choice[-1]]), parent, score + float(logprobs[choice[-1]]), depth)
                 index[choice] = len(nodes.tokens) - 1
     return DraftTree(tuple(nodes.tokens), tuple(nodes.parents))
+
+
+class RankWalker:
+    """A tree drafter in process (moa.py, falcon.py) that, before each round's tree, walks the
+    target's text `text` (prompt and greedy answer) down its ranks (MoaDrafter.ranks_along):
+    `walks`, what `rank_hits` counts. Greedy only."""
+
+    def __init__(self, drafter: "MoaDrafter", text: Sequence[int]) -> None:
+        self.drafter, self.text = drafter, list(text)
+        self.name = drafter.name
+        self.needs_activations = drafter.needs_activations
+        self.walks: list[list[int]] = []
+
+    def reset(self, prompt: Sequence[int]) -> None:
+        self.drafter.reset(prompt)
+
+    def follow_race(self, race: Race | None) -> None:
+        self.drafter.follow_race(race)
+
+    def add_activations(self, start: int, values: np.ndarray) -> None:
+        self.drafter.add_activations(start, values)
+
+    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
+        if len(context) < len(self.text):
+            self.walks.append(self.drafter.ranks_along(context, self.text[len(context):]))
+        return self.drafter.propose(context, max_nodes)
+
+    def propose_sampled(self, context: Sequence[int], max_nodes: int,
+                        rng: np.random.Generator):
+        raise NotImplementedError("the calibration decodes greedily")
+
+    def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
+                tokens: tuple[int, ...]) -> None:
+        self.drafter.observe(context, tree, accepted_nodes, tokens)
 
 
 def rank_hits(walks: Sequence[Sequence[int]], depth: int, top_k: int) -> np.ndarray:
