@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -36,7 +35,8 @@ import numpy as np
 from shared import prompt_sets as evaluation
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table, write_results
 from shared.acceptance import AcceptanceMode
-from shared.drafter_bundle import Graph, Precision, StepIO
+from benchmarks.step_timing import edge_step_ms, plain_step_ms, target_device
+from shared.drafter_bundle import Graph, Precision
 from shared.drafting.base import Drafter
 from shared.drafting.race import RaceRanker
 from shared.messages import ChatMessage, OpenRequest
@@ -82,58 +82,6 @@ def split_decode(target, server, drafter, prompt: list[int], max_new: int, max_n
     log.per_round = [len(v.tokens) for v in run.verdicts[1:]]
     log.draft_s = run.draft_s
     return log
-
-
-def plain_step_ms(target, repeat: int = 9) -> float:
-    """One plain decode step of the target after a 150-token prefix (docs/performance.md)."""
-    from shared.tree import DraftTree
-
-    cache, _ = target.prefill(list(range(100, 250)))
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        target.forward_tree(cache, 42, DraftTree((), ()))
-        target.synchronize()  # on a GPU the clock must not stop at the kernels' launch
-        samples.append(1000 * (time.perf_counter() - start))
-        cache.crop(-1)
-    return statistics.median(samples)
-
-
-def target_device(target) -> str:
-    import torch
-
-    if target.device.type != "cuda":
-        return str(target.device)
-    return f"{target.device} ({torch.cuda.get_device_name(target.device)})"
-
-
-def edge_step_ms(bundle: Path, precision: Precision, queries: int, context: int = 300,
-                 repeat: int = 20) -> float:
-    """One call of the edge's step graph: `queries` tree nodes after `context` committed
-    tokens, all of them verified (one onnxruntime thread, as the drafter runs it)."""
-    import onnxruntime as ort
-
-    from edge_client.drafters.moa_bundle import load_manifest
-
-    manifest = load_manifest(bundle)
-    c = manifest.config
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(bundle / manifest.graph(precision, Graph.STEP)), options)
-    state = np.zeros((manifest.state_heads, context, c["head_dim"]), dtype=np.float32)
-    memory = np.zeros((c["kv_heads"], context, c["head_dim"]), dtype=np.float32)
-    inputs: tuple[np.ndarray, ...] = (
-        np.arange(queries, dtype=np.int64) + 100, np.full(queries, context, dtype=np.int64),
-        state, state, np.ones((queries, context + queries), dtype=bool), memory, memory)
-    if manifest.recurrent:
-        inputs += (np.zeros((queries, c["width"]), dtype=np.float32),)
-    feed = dict(zip(StepIO.inputs(manifest.recurrent), inputs))
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        session.run(None, feed)
-        samples.append(1000 * (time.perf_counter() - start))
-    return statistics.median(samples)
 
 
 TRAINING_FREE = ("pld", "aded", "recycle")  # recycle: Token Recycling, the server's own

@@ -38,13 +38,14 @@ def design_tree(drafter_dir: Path, max_nodes: int, prompts: int, skip: int, max_
     contender = moa_tau.moa_contender(args, target, moa_tau.Entry.parse(
         f"calibrated={drafter_dir}", drafter_dir))
     walks: list[list[int]] = []
-    for i, prompt in enumerate(calibration_prompts(target, skip, prompts)):
+    chosen = calibration_prompts(target, skip, prompts)  # those of at most 256 tokens
+    for i, prompt in enumerate(chosen):
         answer = plain_greedy(target, prompt, max_new)
         walker = static_trees.RankWalker(contender.drafter, [*prompt, *answer])
         moa_tau.split_decode(target, contender.server, walker, prompt, max_new, max_nodes)
         walks += walker.walks
-        print(f"calibration prompt {i + 1}/{prompts}: {len(walks)} walks", file=sys.stderr,
-              flush=True)
+        print(f"calibration prompt {i + 1}/{len(chosen)}: {len(walks)} walks",
+              file=sys.stderr, flush=True)
     hits = static_trees.rank_hits(walks, args.max_depth, contender.drafter.top_k)
     if not hits[0].any():
         raise RuntimeError(f"{drafter_dir}: in {len(walks)} walks the drafter never ranked the "

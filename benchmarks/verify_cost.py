@@ -9,32 +9,17 @@ only while it raises tau faster than it raises T_verify(n).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 from benchmarks.common import RESULTS, machine, markdown_table
+from benchmarks.step_timing import plain_step_ms
 from cloud_server import model_store
 from cloud_server.calibrate import PREFIX_TOKENS, measure_verify_costs
 from cloud_server.model_thread import ModelThread
 from cloud_server.target import TargetModel
-from shared.tree import DraftTree
 
-WARM_UP = 3  # first calls of a shape build kernels (oneDNN's primitives): kept out of the figure
 CONFIGS = {"stock": {"onednn": False, "weights": "fp32"},
            "onednn": {"onednn": True, "weights": "fp32"},
            "q4": {"weights": "q4", "gguf": None}}
-
-
-def plain_step_ms(target: TargetModel, repeat: int) -> float:
-    """A decoding step as the server's plain API runs it: one token after the prefix."""
-    cache, _ = target.prefill(list(range(100, 100 + PREFIX_TOKENS)))
-    samples = []
-    for _ in range(WARM_UP + repeat):
-        start = time.perf_counter()
-        target.forward_tree(cache, 42, DraftTree.chain([]))
-        cache.crop(-1)
-        samples.append(1000 * (time.perf_counter() - start))
-    return statistics.median(samples[WARM_UP:])
 
 
 def measure(config: str, max_nodes: int, repeat: int) -> tuple[float, tuple]:
