@@ -15,16 +15,14 @@ from __future__ import annotations
 import heapq
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 
 from edge_client.drafters.draft_trees import Candidates, Expand
+from shared.drafting.base import Drafter, ReadsActivations
 from shared.drafting.race import Race
 from shared.tree import ROOT, DraftTree
-
-if TYPE_CHECKING:
-    from edge_client.drafters.moa import MoaDrafter
 
 Choice = tuple[int, ...]
 CHOICES_FILE = "tree_choices.json"  # a drafter directory's designed shape
@@ -55,12 +53,18 @@ def static_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand,
     return DraftTree(tuple(nodes.tokens), tuple(nodes.parents))
 
 
+class Walkable(Drafter, ReadsActivations, Protocol):
+    """A tree drafter that can walk a text down its ranks (MoaDrafter, FalconDrafter)."""
+
+    def ranks_along(self, context: Sequence[int], truth: Sequence[int]) -> list[int]: ...
+
+
 class RankWalker:
     """A tree drafter in process (moa.py, falcon.py) that, before each round's tree, walks the
     target's text `text` (prompt and greedy answer) down its ranks (MoaDrafter.ranks_along):
     `walks`, what `rank_hits` counts. Greedy only."""
 
-    def __init__(self, drafter: "MoaDrafter", text: Sequence[int]) -> None:
+    def __init__(self, drafter: Walkable, text: Sequence[int]) -> None:
         self.drafter, self.text = drafter, list(text)
         self.name = drafter.name
         self.needs_activations = drafter.needs_activations
