@@ -23,9 +23,9 @@ from shared.acceptance import (
     accept_topk_drafts,
 )
 from shared.draft_q import NodeQ, Proposal, QRows
-from shared.errors import InvalidRequest, OutOfOrder
+from shared.errors import InvalidRequest
 from shared.messages import (
-    ActivationRows, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened, Pace,
+    ActivationRows, Done, FinishReason, Limits, OpenRequest, Opened, Pace,
     Resume, Verdict,
 )
 from shared.sampling import RngStream, round_rng, warp
@@ -211,15 +211,6 @@ class Session:
             first_row = min(first_row, resume.rows_held)
         return self._verdict((), tuple(held[len(edge):]), first_row, time.perf_counter())
 
-    def verify(self, draft: DraftRequest, queued_at: float | None = None) -> Work[Verdict]:
-        """One round: checks the tree against the target and commits what it agrees with.
-        `queued_at` (perf_counter) is when the request started waiting for the model."""
-        self._check_order(draft)
-        draft.tree.validate(self.target.vocab_size, self.limits.max_tree_nodes,
-                            self.limits.max_tree_depth)
-        return (yield from self.advancing(Proposal(draft.tree, draft.q), queued_at,
-                                          draft.round_id))
-
     def advance(self, proposal: Proposal, queued_at: float | None = None, draft_id: int = 0,
                 names_nodes: bool = True) -> Verdict:
         return self.target.drive(self.advancing(proposal, queued_at, draft_id, names_nodes))
@@ -306,15 +297,6 @@ class Session:
             assert q is not None  # _q_rows builds q under this rule
             return accept_sampled_drafts(tree, p, q, rng, without_replacement=True)
         return accept_topk_drafts(tree, p, rng)
-
-    def _check_order(self, draft: DraftRequest) -> None:
-        if self.finished:
-            raise OutOfOrder(f"generation already finished ({self.finish_reason.name.lower()})")
-        if draft.round_id != self.rounds + 1:
-            raise OutOfOrder(f"round {draft.round_id} out of order: expected {self.rounds + 1}")
-        if draft.base_length != len(self.committed):
-            raise OutOfOrder(f"draft continues {draft.base_length} tokens, but "
-                             f"{len(self.committed)} are committed")
 
     def _commit(self, tokens: tuple[int, ...]) -> tuple[int, ...]:
         """Commits what the budget and the stop conditions let through; returns it."""
