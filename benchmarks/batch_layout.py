@@ -2,7 +2,7 @@
 
 B sessions, each with its own prompt (lengths spread over 100-500 tokens) and a draft tree of N
 nodes, verified three ways: one forward per session (no batching); one ragged forward, the
-server's layout (cloud_server/ragged.py: all new tokens in one row, attention per session on
+server's layout (cloud_server/engine/ragged.py: all new tokens in one row, attention per session on
 its own cache, nothing copied); and one padded batch forward, the layout of transformers'
 batched generation (each session's cache copied, left-padded, into a [B, heads, longest, dim]
 cache, the new tokens padded to the longest tree, and the new keys and values copied back
@@ -25,7 +25,9 @@ from transformers import DynamicCache
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.calibrate import bushy_tree
-from cloud_server.target import ForwardJob, TargetModel, keep_path
+from cloud_server.engine.interface import ForwardJob
+from cloud_server.engine.kv_cache import keep_path
+from cloud_server.target import TargetModel
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,9 +62,9 @@ def padded(target: TargetModel, jobs: list[ForwardJob]) -> None:
         q = len(job.ids)
         ids[i, :q] = torch.tensor(job.ids)
         positions[i, :q] = torch.from_numpy(job.positions)
-        assert job.allowed is not None
-        allowed[i, :q, longest - length: longest] = job.allowed[:, :length]
-        allowed[i, :q, longest: longest + q] = job.allowed[:, length:]
+        assert job.seen is not None
+        allowed[i, :q, longest - length: longest] = True
+        allowed[i, :q, longest: longest + q] = job.seen
         allowed[i, q:, longest] = True  # padding rows see something (no NaN), used by no one
     mask = torch.zeros(allowed.shape, dtype=target.model.dtype)
     mask.masked_fill_(torch.from_numpy(~allowed), torch.finfo(target.model.dtype).min)

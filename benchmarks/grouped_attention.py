@@ -1,6 +1,6 @@
 """Tree forwards with the query heads grouped in torch's kernel, against repeated cache heads.
 
-The server's attention (cloud_server/gqa_attention.py) against transformers' path, which
+The server's attention (cloud_server/engine/gqa_attention.py) against transformers' path, which
 repeats the cache's key and value heads first; on the real target, one session alone and
 several in one ragged forward.
 
@@ -23,8 +23,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from benchmarks.batch_layout import sessions_with_trees
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table, write_results
-from cloud_server import model_store, ragged
-from cloud_server.gqa_attention import grouped
+from cloud_server import model_store
+from cloud_server.engine import ragged
+from cloud_server.engine.gqa_attention import grouped
 from cloud_server.target import TargetModel
 
 

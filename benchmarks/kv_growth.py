@@ -1,7 +1,7 @@
 """What growing the KV cache in place saves a forward, measured on the real target.
 
 A forward appends its tokens to each session's cache. transformers' DynamicLayer does that by
-concatenation, copying the whole cache; the server's ReservedLayer (cloud_server/kv_cache.py)
+concatenation, copying the whole cache; the server's ReservedLayer (cloud_server/engine/kv_cache.py)
 writes them into a buffer with room. For caches of 256 to 2,048 positions, three forwards are
 timed with each cache, interleaved: a decoding step (one token), a tree verification (16
 nodes, compacted to an accepted path of 3 after it, as the server does), and a ragged forward
@@ -25,8 +25,9 @@ from transformers import DynamicCache
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table
 from cloud_server import model_store
 from cloud_server.calibrate import bushy_tree
-from cloud_server.kv_cache import whole_cache
-from cloud_server.target import TargetModel, keep_path
+from cloud_server.engine.kv_cache import whole_cache
+from cloud_server.engine.kv_cache import keep_path
+from cloud_server.target import TargetModel
 from shared.tree import DraftTree
 
 CACHES = ("concatenated", "in place")

@@ -23,7 +23,8 @@ from shared.drafting.budget import ALONE, Load
 from shared.moving_average import ema
 
 if TYPE_CHECKING:  # the CLI reads DEFAULT_MAX_TOKENS without loading torch
-    from cloud_server.target import ForwardJob, TargetModel, Work
+    from cloud_server.engine.interface import ForwardJob, Work
+    from cloud_server.target import TargetModel
 
 T = TypeVar("T")
 DEFAULT_MAX_TOKENS = 512  # new tokens per forward: a CPU forward of that many takes ~0.3 s

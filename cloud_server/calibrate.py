@@ -10,11 +10,11 @@ from __future__ import annotations
 import statistics
 import time
 
-from cloud_server.target import TargetModel, keep_path
+from cloud_server.target import SLOT_TEXT_FLOOR, TargetModel
 from shared import progress
 from shared.tree import DraftTree
 
-PREFIX_TOKENS = 128
+PREFIX_TOKENS = SLOT_TEXT_FLOOR  # a static engine's KV slot holds it and the largest tree
 BRANCHING = 4
 EACH_SIZE_UP_TO = 8
 
@@ -27,7 +27,7 @@ def bushy_tree(n: int) -> DraftTree:
 def tree_sizes(max_nodes: int) -> list[int]:
     """Every size up to EACH_SIZE_UP_TO, then 16, 32, ... up to max_nodes, and max_nodes
     itself. A CPU kernel's cost steps at small row counts (oneDNN's register blocking,
-    cloud_server/cpu_kernels.py), which interpolating between powers of two would miss."""
+    cloud_server/engine/cpu_kernels.py), which interpolating between powers of two would miss."""
     sizes = [n for n in range(1, EACH_SIZE_UP_TO + 1) if n <= max_nodes]
     sizes += [1 << k for k in range(4, max_nodes.bit_length()) if 1 << k <= max_nodes]
     return sizes if sizes[-1] == max_nodes else [*sizes, max_nodes]
@@ -48,8 +48,7 @@ def measure_verify_costs(target: TargetModel, max_nodes: int, repeat: int = 3
     def run(tree: DraftTree) -> float:
         start = time.perf_counter()
         target.forward_tree(cache, prefix[-1], tree)
-        keep_path(cache, PREFIX_TOKENS, ())
-        target.synchronize()  # on a GPU, the clock must not stop at the kernels' launch
+        target.keep_path(cache, PREFIX_TOKENS - 1, ())  # back to the prefix alone
         return 1000 * (time.perf_counter() - start)
 
     with progress.bar(2 * len(trees), "measuring verify costs", "tree size") as shown:

@@ -13,7 +13,7 @@ from cloud_server.batching import DEFAULT_MAX_TOKENS
 from cloud_server.config import ServerConfig
 from cloud_server.pacing import PacingPolicy
 from shared.drafting import SERVER_DRAFTERS
-from cloud_server.device import Device, Precision, Weights
+from cloud_server.device import Device, EngineChoice, Graphs, Precision, Weights
 from shared import progress
 from shared.drafting.base import DrafterName
 from shared.messages import Limits, Pace
@@ -30,11 +30,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="default",
                    help="'default' (SmolLM2-135M-Instruct, embedded), a hub id or a local path")
     p.add_argument("--device", choices=[d.value for d in Device], default=Device.AUTO.value)
-    p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.FP32.value,
-                   help="the target's precision (default fp32: greedy output equal to plain "
-                        "decoding token for token; in bf16 near-ties can break the other way "
-                        "between a tree forward and a decode step, docs/usage.md); auto: fp32 "
-                        "on the CPU, bf16 on a GPU")
+    p.add_argument("--dtype", choices=[d.value for d in Precision], default=Precision.AUTO.value,
+                   help="the target's precision; auto (default): bf16 on a GPU, on the CPU the "
+                        "checkpoint's bf16, else fp32. Greedy output equals the same server's "
+                        "plain decoding token for token, but for near-ties, which in bf16 or "
+                        "fp16 can break the other way between a tree forward and a decoding "
+                        "step (docs/usage.md, --dtype)")
     p.add_argument("--cpu-linear", choices=("onednn", "stock"), default="onednn",
                    help="CPU linear kernels for --weights fp32: oneDNN (about 2x faster here) "
                         "or PyTorch's default")
@@ -43,6 +44,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "onnxruntime graph, on the CPU, for Llama-shaped models; fp32: "
                         "transformers' modules in --dtype; auto (default): q4 where it runs, "
                         "else fp32. Split output equals the same server's plain output either way")
+    p.add_argument("--engine", choices=[e.value for e in EngineChoice],
+                   default=EngineChoice.AUTO.value,
+                   help="what runs --weights fp32: static (static shapes over preallocated KV "
+                        "slots; Llama, Qwen2, Qwen3, Mistral), transformers (its modules, "
+                        "eager, any causal LM); auto (default): static on a GPU where it runs "
+                        "the model, else transformers")
+    p.add_argument("--cuda-graphs", choices=[g.value for g in Graphs], default=Graphs.AUTO.value,
+                   help="the static engine replays each forward shape from a CUDA graph "
+                        "captured at startup; auto (default): on when the target is on CUDA")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
     p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
@@ -155,12 +165,14 @@ def run(argv: list[str]) -> int:
         model_thread = ModelThread()
         target = model_thread.call(TargetModel.load, path, model_id, Device(args.device),
                                    args.cpu_linear == "onednn", Precision(args.dtype),
-                                   Weights(args.weights), model_store.gguf_of(args.model))
+                                   Weights(args.weights), model_store.gguf_of(args.model),
+                                   EngineChoice(args.engine), Graphs(args.cuda_graphs),
+                                   limits_from(args))
         config = ServerConfig(limits_from(args), drafter_dir, pacing_from(args),
                               args.kv_budget_mb * 2**20, args.batch_tokens)
         service = build_service(target, config, model_thread)
-        weights = "q4" if target.engine is not None else str(target.model.dtype).split(".")[-1]
-        print(f"loaded {model_id} on {target.device} ({weights})", file=sys.stderr, flush=True)
+        print(f"loaded {model_id} on {target.device}: {target.engine.describe()}",
+              file=sys.stderr, flush=True)
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)
             print(f"metrics on http://{args.host}:{bound}/metrics", file=sys.stderr, flush=True)

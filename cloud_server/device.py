@@ -1,5 +1,6 @@
-"""Where the target runs and in what precision (`cloud-server --device`, `--dtype`); apart from
-target.py so the CLI parses them without importing torch."""
+"""Where the target runs, in what precision and on which engine (`cloud-server --device`,
+`--dtype`, `--weights`, `--engine`, `--cuda-graphs`); apart from target.py so the CLI parses
+them without importing torch."""
 from __future__ import annotations
 
 from enum import StrEnum
@@ -12,7 +13,7 @@ class Device(StrEnum):
 
 
 class Precision(StrEnum):
-    AUTO = "auto"  # fp32 on the CPU (bf16 matmuls are slow there), bf16 on a GPU
+    AUTO = "auto"  # bf16 on a GPU; on the CPU the checkpoint's bf16, else fp32
     FP32 = "fp32"
     BF16 = "bf16"
     FP16 = "fp16"
@@ -23,4 +24,20 @@ class Weights(StrEnum):
 
     AUTO = "auto"  # q4 where the 4-bit engine runs the model (the CPU, a Llama), else fp32
     FP32 = "fp32"  # transformers' modules, in --dtype
-    Q4 = "q4"  # the GGUF's 4-bit blocks in one onnxruntime graph (cloud_server/onnx_engine.py)
+    Q4 = "q4"  # the GGUF's 4-bit blocks in one onnxruntime graph (cloud_server/engine/onnx_engine.py)
+
+
+class EngineChoice(StrEnum):
+    """What runs `--weights fp32` (unquantized weights in --dtype): cloud_server/engine/."""
+
+    AUTO = "auto"  # static where it runs the model on a GPU, else transformers
+    STATIC = "static"  # static shapes over KV slots, CUDA graphs on a GPU (static_engine.py)
+    TRANSFORMERS = "transformers"  # transformers' modules, eager (transformers_engine.py)
+
+
+class Graphs(StrEnum):
+    """Whether the static engine replays its buckets from CUDA graphs (`--cuda-graphs`)."""
+
+    AUTO = "auto"  # on when the target runs on CUDA
+    ON = "on"
+    OFF = "off"

@@ -18,7 +18,7 @@ from dataclasses import replace
 from cloud_server.decode_loop import Forwarded
 from cloud_server.server_decoding import ServerDecoder
 from cloud_server.session import Session
-from cloud_server.target import Work
+from cloud_server.engine.interface import Work
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.drafting.budget import TreeBudget

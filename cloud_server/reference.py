@@ -20,9 +20,9 @@ NEAR_TIE = 1e-3
 
 @torch.inference_mode()
 def plain_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_tokens: int) -> list[int]:
-    """transformers `generate`, greedy, stopping at the target's stop tokens (kept); with the
-    4-bit engine, the engine's own decoding steps (its weights are not the modules')."""
-    if target.engine is not None:
+    """transformers `generate`, greedy, stopping at the target's stop tokens (kept); with
+    another engine than the modules, that engine's own decoding steps."""
+    if not target.engine.exact_reference:
         return _stepped_greedy(target, prompt_ids, max_new_tokens)
     ids = torch.tensor([list(prompt_ids)], device=target.device)
     stops = list(target.stop_token_ids())
@@ -67,7 +67,7 @@ def compare(target: TargetModel, prompt_ids: Sequence[int], split: Sequence[int]
         # One may simply be a prefix of the other when both stopped at a length limit.
         return Comparison(None if len(split) == len(plain) else n, float("inf"))
     ids = list(prompt_ids) + list(plain[:j])
-    if target.engine is not None:
+    if not target.engine.exact_reference:
         logits = target.prefill(ids)[1]
     else:
         logits = target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0, -1]

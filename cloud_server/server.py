@@ -33,21 +33,26 @@ def server_options(limits: Limits) -> list[tuple[str, int]]:
 
 def build_service(target: TargetModel, config: ServerConfig,
                   model_thread: ModelThread | None = None) -> SplitDecodingService:
-    """Measures the verify costs Info reports, loads the MoA drafter when there is one, then
-    builds the service. `model_thread` should be the thread that loaded `target` (see
+    """Loads the MoA drafter when there is one, lets the engine prepare the forwards it will
+    run (the static engine's graphs), measures the verify costs Info reports, then builds the
+    service. `model_thread` should be the thread that loaded `target` (see
     model_thread.py)."""
     model_thread = model_thread or ModelThread()
-    costs = model_thread.call(measure_verify_costs, target, config.limits.max_tree_nodes)
-    print("verify cost: " + ", ".join(f"{n} nodes {ms:.0f} ms" for n, ms in costs),
-          file=sys.stderr, flush=True)
     artifacts = ArtifactStore()
     artifacts.add(TOKENIZER_ARTIFACT, ArtifactKind.TOKENIZER, target.tokenizer_json())
     drafter = None
+    captures: list[tuple[int, ...]] = [()]
     if config.drafter_dir is not None:
         drafter = model_thread.call(serve_drafter, config.drafter_dir, target)
         artifacts.add(drafter.artifact, ArtifactKind.DRAFTER_BUNDLE, drafter.bundle)
         print(f"{drafter.artifact} bundle: {len(drafter.bundle) / 1e6:.1f} MB, activations of width "
               f"{drafter.width}", file=sys.stderr, flush=True)
+        if drafter.activations is not None and drafter.activations.hidden_layers:
+            captures.append(drafter.activations.hidden_layers)
+    model_thread.call(target.engine.prepare, captures)
+    costs = model_thread.call(measure_verify_costs, target, config.limits.max_tree_nodes)
+    print("verify cost: " + ", ".join(f"{n} nodes {ms:.0f} ms" for n, ms in costs),
+          file=sys.stderr, flush=True)
     if config.batch_tokens and not target.batchable:
         print(f"{target.model_id} cannot batch sessions (its attention does not go through "
               "transformers' attention interface): one session per forward", file=sys.stderr,

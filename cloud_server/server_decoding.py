@@ -14,7 +14,8 @@ from cloud_server import recycling
 from cloud_server.recycling import RecyclingDrafter
 from cloud_server.activation_rows import ActivationSource
 from cloud_server.session import Session
-from cloud_server.target import TargetModel, Work
+from cloud_server.engine.interface import Work
+from cloud_server.target import TargetModel
 from shared.drafting.budget import ALONE, Load, TreeBudget
 from shared.drafting import SERVER_DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName, reads_activations

@@ -17,7 +17,8 @@ import torch
 from transformers import DynamicCache
 
 from cloud_server.activation_rows import ActivationSource, RowKeeper
-from cloud_server.target import TargetModel, Work, keep_path
+from cloud_server.engine.interface import Work
+from cloud_server.target import TargetModel
 from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
     accept_topk_drafts,
@@ -230,7 +231,7 @@ class Session:
         self.rounds += 1
         self._recycle((self.committed[-1], *tree.tokens), job.logits)
         acceptance = self._accept(tree, job.logits, q_rows)
-        keep_path(self._kv, base, acceptance.accepted_nodes)
+        self.target.keep_path(self._kv, base, acceptance.accepted_nodes)
         kept = [0, *(1 + i for i in acceptance.accepted_nodes)]  # the inputs left in the cache
         self._keep_rows(base, None if job.hidden is None else job.hidden[kept])
         tokens = self._commit(acceptance.tokens)

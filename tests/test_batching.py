@@ -12,7 +12,8 @@ from cloud_server.batching import Batcher
 from cloud_server.model_thread import ModelThread
 from cloud_server.server_decoding import ServerDecoder, decode_in_process, own_drafter
 from cloud_server.session import Session
-from cloud_server.target import PREFILL_CHUNK, keep_path
+from cloud_server.engine.kv_cache import keep_path
+from cloud_server.target import PREFILL_CHUNK
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
 from shared.messages import Limits, OpenRequest

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cloud_server.cpu_kernels import MIN_ROWS, onednn_available, use_onednn_linear
+from cloud_server.engine.cpu_kernels import MIN_ROWS, onednn_available, use_onednn_linear
 
 pytestmark = pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN")
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.engine.layer_outputs import LayerOutputs
 from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.layers import additive_mask

@@ -13,7 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.engine.layer_outputs import LayerOutputs
 from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.export import MemoryGraph, StepGraph, example_inputs
 from cloud_server.moa.model import EdgeHalf

@@ -1,11 +1,11 @@
-"""Masked multi-token queries group their heads in torch's kernel (cloud_server/gqa_attention.py)
+"""Masked multi-token queries group their heads in torch's kernel (cloud_server/engine/gqa_attention.py)
 and give the very bits of transformers' repeated-heads path; one-token queries keep its path."""
 from __future__ import annotations
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from cloud_server.gqa_attention import grouped
+from cloud_server.engine.gqa_attention import grouped
 
 
 def _inputs(new: int, cached: int = 20):

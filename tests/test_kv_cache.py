@@ -6,8 +6,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from cloud_server.kv_cache import ReservedLayer, room_for, whole_cache
-from cloud_server.target import keep_path
+from cloud_server.engine.kv_cache import ReservedLayer, room_for, whole_cache
+from cloud_server.engine.kv_cache import keep_path
 from testkit.device_under_test import DEVICE
 
 HEADS, DIM = 3, 4

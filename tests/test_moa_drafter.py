@@ -171,7 +171,7 @@ def test_hidden_input_drafter_through_the_session(tiny_target, tiny_drafter_dir,
     from cloud_server.server_decoding import decode_in_process
     from shared.messages import OpenRequest
 
-    from cloud_server.layer_outputs import LayerOutputs
+    from cloud_server.engine.layer_outputs import LayerOutputs
 
     directory = tiny_drafter_dir / name
     server = ServerActivations.load(directory, tiny_target.model)

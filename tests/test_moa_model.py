@@ -11,7 +11,7 @@ from cloud_server.moa.config import MoaConfig
 from cloud_server.moa.layers import additive_mask
 from cloud_server.moa.model import EdgeHalf, ServerHalf, batch_layer_kv, layer_kv_from_cache
 from cloud_server.moa.target_parts import rms_weight
-from cloud_server.target import keep_path
+from cloud_server.engine.kv_cache import keep_path
 from shared.tree import DraftTree
 
 PROMPT = [5, 17, 42, 99, 7, 61, 33, 8]

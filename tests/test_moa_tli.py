@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.engine.layer_outputs import LayerOutputs
 from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.export import StepGraph, example_inputs

@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from cloud_server.block_weights import BLOCK, from_gguf, quantize_q4
+from cloud_server.engine.block_weights import BLOCK, from_gguf, quantize_q4
 from cloud_server.reference import compare, plain_greedy
-from cloud_server.target import TargetModel, keep_path
+from cloud_server.engine.kv_cache import keep_path
+from cloud_server.target import TargetModel
 from shared.tree import DraftTree
 
 PROMPT = [5, 17, 42, 99, 7, 61]
@@ -99,9 +100,12 @@ def test_a_model_the_engine_cannot_run_is_refused_by_name(tmp_path):
     from testkit.tiny_model import byte_tokenizer
 
     byte_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="--weights q4 cannot run this model: .*biases"):
+    with pytest.raises(ValueError, match="--weights q4 cannot run it: .*biases.*--weights fp32 will"):
         TargetModel.load(str(tmp_path), "biased", "cpu", weights="q4")
-    assert TargetModel.load(str(tmp_path), "biased", "cpu", weights="auto").engine is None
+    from cloud_server.engine.transformers_engine import ModulesEngine
+
+    engine = TargetModel.load(str(tmp_path), "biased", "cpu", weights="auto").engine
+    assert isinstance(engine, ModulesEngine)
     proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--model", str(tmp_path),
                            "--weights", "q4", "--drafter-dir", "none", "--port", "0"],
                           capture_output=True, text=True, timeout=120)

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from cloud_server.engine.transformers_engine import ModulesEngine
 from cloud_server.reference import plain_greedy
 from cloud_server.self_check import UnverifiedModel
 from cloud_server.target import TargetModel
@@ -29,11 +30,20 @@ MAX_NEW = 24
 assert len(PROMPT) > WINDOW
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+# The families the static engine runs (engine/static_llama.py), through it as well.
+STATIC = ("llama3", "qwen2", "qwen3")
+LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=64, max_new_tokens=64,
+                max_sessions=8, session_idle_timeout_s=5)
+
+
+@pytest.fixture(scope="module", params=[*((f, "transformers") for f in sorted(FAMILIES)),
+                                        *((f, "static") for f in STATIC)],
+                ids=lambda p: "-".join(p))
 def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> TargetModel:
-    path = build_family(request.param, tmp_path_factory.mktemp(request.param))
-    return TargetModel.load(str(path), request.param, DEVICE)
+    family, engine = request.param
+    path = build_family(family, tmp_path_factory.mktemp(family))
+    return TargetModel.load(str(path), family, DEVICE, engine=engine, limits=LIMITS)
 
 
 def causal_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
@@ -70,6 +80,12 @@ def test_a_batched_forward_gives_each_session_what_it_gets_alone(target):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
 
 
+def modules_target(target: TargetModel) -> TargetModel:
+    """The same modules through transformers, whatever engine `target` runs."""
+    return TargetModel(target.model, target.tokenizer, target.model_id, target.device,
+                       ModulesEngine(target.model, target.device))
+
+
 def test_decoding_steps_past_the_window_are_transformers_generate(target):
     """Step by step through the server's forwards (a whole cache, the window in the mask)
     against transformers' own greedy generation (its sliding-window cache)."""
@@ -77,15 +93,13 @@ def test_decoding_steps_past_the_window_are_transformers_generate(target):
     ids = [int(last.argmax())]
     for _ in range(MAX_NEW - 1):
         ids.append(int(target.forward_tree(cache, ids[-1], DraftTree.chain([]))[0].argmax()))
-    expected = plain_greedy(target, PROMPT, MAX_NEW)
+    expected = plain_greedy(modules_target(target), PROMPT, MAX_NEW)
     assert ids[: len(expected)] == expected
 
 
 @pytest.mark.parametrize("drafter", ["pld", "aded"])
 def test_split_greedy_is_plain_greedy(target, drafter):
-    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=64,
-                    max_new_tokens=64, max_sessions=4, session_idle_timeout_s=5)
-    with ServerThread(target, ServerConfig(limits)) as server:
+    with ServerThread(target, ServerConfig(LIMITS)) as server:
         assert_split_greedy_is_plain(target, server.address, drafter, 8, PROMPTS, MAX_NEW)
 
 

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_server.layer_outputs import LayerOutputs
-from cloud_server.target import keep_path
+from cloud_server.engine.layer_outputs import LayerOutputs
+from cloud_server.engine.kv_cache import keep_path
 from shared.tree import DraftTree
 
 PROMPT = [5, 17, 42, 99, 7, 61]

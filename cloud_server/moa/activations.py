@@ -3,7 +3,7 @@
 Hook it right after verification. What it reads depends on the drafter (MoaConfig.server_input):
 per-layer K/V, read from the cache once `keep_path` has compacted it to the committed text; or
 chosen layers' outputs, which the session captures during the forward (`hidden_layers` says
-which; cloud_server/layer_outputs.py) for the same positions. Either way the rows are the
+which; cloud_server/engine/layer_outputs.py) for the same positions. Either way the rows are the
 tokens the round verified: the previous pending token and the accepted drafts (the new bonus
 token is not in the cache yet, so its activation comes with the next verdict); after the
 prompt's prefill, [0, len(prompt)). Knows nothing of sessions or the wire: it returns an array,

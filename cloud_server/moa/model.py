@@ -10,7 +10,7 @@ Knows nothing of training, sessions or the wire. Section 3 of the paper, split p
   hooks, and the tree forward's K/V of an accepted node equal a causal forward's (a token's K/V
   depend on its ancestors only), so what the server computes matches what training saw.
 - `HiddenFusion`, the server half for hidden-state inputs (`ServerInput.LAST_HIDDEN`,
-  `FUSED_HIDDEN`): the outputs of chosen target layers (cloud_server/layer_outputs.py), each
+  `FUSED_HIDDEN`): the outputs of chosen target layers (cloud_server/engine/layer_outputs.py), each
   RMS-normalised, concatenated and projected to the target's width by one linear layer, as
   EAGLE-3 fuses its low, middle and high features (Li et al. 2025, section 3.2). The last
   layer's output is the best next-token feature there is (EAGLE, Li et al. 2024, section 3) and

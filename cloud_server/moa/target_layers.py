@@ -22,7 +22,7 @@ from torch import nn
 
 from cloud_server.moa.layers import Block, Rotary, additive_mask
 from cloud_server.moa.target_parts import layer_weights
-from cloud_server.session_mask import sliding_window
+from cloud_server.engine.session_mask import sliding_window
 
 TOLERANCE = 1e-3  # relative: a Block that computes the target's layer differs by rounding only
 

@@ -46,8 +46,8 @@ from cloud_server.training.settings import TrainSettings
 from cloud_server.training.unroll import unrolled
 from torch import nn
 
-from cloud_server.kv_cache import whole_cache
-from cloud_server.layer_outputs import LayerOutputs
+from cloud_server.engine.kv_cache import whole_cache
+from cloud_server.engine.layer_outputs import LayerOutputs
 from cloud_server.moa.config import MoaConfig, ServerInput
 from shared.drafter_bundle import Memory
 from cloud_server.training.data import Sample

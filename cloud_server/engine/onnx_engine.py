@@ -25,8 +25,8 @@ import onnxruntime as ort
 import torch
 from transformers import DynamicCache
 
-from cloud_server import block_weights, onnx_llama
-from cloud_server.kv_cache import ReservedLayer
+from cloud_server.engine import block_weights, onnx_llama
+from cloud_server.engine.kv_cache import ReservedLayer, keep_path, whole_cache
 
 # Sessions a graph takes: a batch runs on the smallest that holds it, padded with one-token
 # sessions whose results are dropped; a larger one runs as several forwards. A graph is built
@@ -82,9 +82,13 @@ class OnnxEngine:
     """Forwards of up to MOST_SESSIONS sessions a graph; one graph per session count, built
     when first needed."""
 
-    def __init__(self, shape: onnx_llama.LlamaShape, weights: onnx_llama.LlamaWeights,
+    batchable = True
+    exact_reference = False
+
+    def __init__(self, config: Any, weights: onnx_llama.LlamaWeights,
                  embedding: torch.nn.Module, threads: int):
-        self.shape = shape
+        self._config = config
+        self.shape = shape_of(config)
         self._weights = weights
         # looked up in numpy: a torch op would wake torch's threads between two runs
         table = embedding.weight
@@ -107,6 +111,24 @@ class OnnxEngine:
             self._graphs[sessions] = ort.InferenceSession(
                 model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return self._graphs[sessions]
+
+    def describe(self) -> str:
+        return "4-bit onnxruntime engine (q4)"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer's KV heads: keys in fp32, values in double (KV_TYPES)."""
+        s = self.shape
+        return s.layers * s.kv_heads * s.head_dim * (4 + 8)
+
+    def new_cache(self, most_positions: int | None = None) -> DynamicCache:
+        return whole_cache(self._config, True, most_positions)
+
+    def keep_path(self, cache: DynamicCache, base: int, accepted_nodes: tuple[int, ...]) -> None:
+        keep_path(cache, base, accepted_nodes)
+
+    def prepare(self, captures: Sequence[tuple[int, ...]]) -> None:
+        """Nothing to capture: graphs for more sessions are built when first needed."""
 
     def warm_up(self) -> None:
         """Builds the one-session graph now rather than in the first request's forward."""
@@ -163,11 +185,10 @@ class OnnxEngine:
         pasts = [_buffers(job.cache, i, s) for i in range(s.layers)]
         cached = 0 if job.cache is None else job.cache.get_seq_length()
         room, new = pasts[0][0].shape[1], len(job.ids)
-        allowed = (job.allowed if job.allowed is not None
-                   else np.tri(new, cached + new, cached, dtype=bool))  # [new, cached + new]
+        seen = np.tri(new, dtype=bool) if job.seen is None else job.seen  # [new, new]
         mask = np.full((new + twin, room + new + twin), NEG, dtype=np.float32)
-        mask[:new, :cached][allowed[:, :cached]] = 0
-        mask[:new, room: room + new][allowed[:, cached:]] = 0
+        mask[:new, :cached] = 0
+        mask[:new, room: room + new][seen] = 0
         mask[new:] = mask[:twin]
         feed = {f"mask_{b}": np.tile(mask, (s.groups, 1)),
                 f"parts_{b}": np.array([room, new + twin], dtype=np.int64)}
@@ -192,7 +213,7 @@ class _Padding:
     ids: tuple[int, ...] = (0,)
     positions: np.ndarray = field(default_factory=lambda: np.zeros(1, dtype=np.int64))
     rows: tuple[int, ...] = ()
-    allowed: None = None
+    seen: None = None
     cache: None = None
 
 

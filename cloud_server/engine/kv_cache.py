@@ -118,3 +118,22 @@ def whole_cache(config: Any, in_place: bool, most_positions: int | None = None) 
         if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer) else layer
         for layer in cache.layers]
     return cache
+
+
+@torch.inference_mode()
+def keep_path(cache: DynamicCache, base: int, accepted_nodes: tuple[int, ...]) -> None:
+    """Compacts a DynamicCache after a tree forward to the pending token plus the accepted
+    path (Engine.keep_path): the accepted nodes move down to base + 1, base + 2, ... and
+    everything after them is dropped."""
+    new_len = base + 1 + len(accepted_nodes)
+    if not accepted_nodes and cache.get_seq_length() == new_len:
+        return  # a decoding step: nothing to move or drop
+    src = torch.tensor([base + 1 + i for i in accepted_nodes], dtype=torch.long)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            raise NotImplementedError("sliding-window KV layers cannot be compacted yet")
+        for name in ("keys", "values"):
+            states = getattr(layer, name)  # [batch, kv_heads, seq, head_dim]
+            if len(src):
+                states[:, :, base + 1: new_len] = states[:, :, src.to(states.device)]
+            setattr(layer, name, states[:, :, :new_len])

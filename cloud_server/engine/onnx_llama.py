@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from cloud_server.block_weights import BLOCK, BlockWeight, stacked
+from cloud_server.engine.block_weights import BLOCK, BlockWeight, stacked
 
 OPSET = 17
 # Keys in fp32, values in double: the weighted sum over the values is taken in double, where how

@@ -26,8 +26,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from cloud_server.gqa_attention import grouped
-from cloud_server.session_mask import SessionMask
+from cloud_server.engine.gqa_attention import grouped
+from cloud_server.engine.session_mask import SessionMask
 
 # A 4D attention_mask makes transformers skip building its own mask; the real masks are
 # RaggedCache's, one per session.

@@ -1,0 +1,57 @@
+"""Which engine runs a loaded model: `--weights`, `--engine` and `--cuda-graphs` against what
+each engine can run. An engine asked for that cannot run the model says why in one line and
+names the one that will."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cloud_server.device import EngineChoice, Graphs, Weights
+from cloud_server.engine import static_llama
+from cloud_server.engine.cpu_kernels import use_onednn_linear
+from cloud_server.engine.cuda_graphs import Replay
+from cloud_server.engine.interface import Engine
+from cloud_server.engine.static_engine import SlotPlan, StaticEngine
+from cloud_server.engine.transformers_engine import ModulesEngine
+
+
+def pick_engine(model: Any, device: torch.device, weights: Weights, choice: EngineChoice,
+                graphs: Graphs, plan: SlotPlan, gguf: Path | None, onednn: bool) -> Engine:
+    quantized = _quantized(model, weights, gguf)
+    if quantized is not None:
+        return quantized
+    why = static_llama.unsupported(model)
+    if choice is EngineChoice.STATIC and why is not None:
+        raise ValueError(f"--engine static cannot run it: {why}; --engine transformers will")
+    if graphs is Graphs.ON and device.type != "cuda":
+        raise ValueError("--cuda-graphs on needs the target on CUDA (--device cuda)")
+    static = choice is EngineChoice.STATIC or (
+        choice is EngineChoice.AUTO and why is None and device.type == "cuda")
+    if static:
+        use_graphs = graphs is Graphs.ON or (graphs is Graphs.AUTO and device.type == "cuda")
+        return StaticEngine(model, device, plan, Replay if use_graphs else None)
+    if onednn and device.type == "cpu":
+        use_onednn_linear(model)
+    return ModulesEngine(model, device)
+
+
+def _quantized(model: Any, weights: Weights, gguf: Path | None) -> Engine | None:
+    """The 4-bit engine for `model` when `weights` asks for it (auto: where it can run)."""
+    if weights is Weights.FP32:
+        return None
+    from cloud_server.engine import onnx_engine
+
+    why = onnx_engine.unsupported(model)
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        why = why or "it runs on the CPU from fp32 weights only (--device cpu --dtype fp32)"
+    if why is not None:
+        if weights is Weights.Q4:
+            raise ValueError(f"--weights q4 cannot run it: {why}; --weights fp32 will")
+        return None
+    engine = onnx_engine.OnnxEngine(model.config, onnx_engine.llama_weights(model, gguf),
+                                    model.get_input_embeddings(), torch.get_num_threads())
+    engine.warm_up()
+    return engine
+

@@ -1,0 +1,148 @@
+"""The static engine (cloud_server/engine/static_engine.py) on the CPU, with its forwards padded
+to the buckets and replayed under the CUDA-graph contract (`Rehearsal`: fixed input tensors,
+outputs overwritten by the next replay): a tree forward gives each node its path's logits, a
+batch of sessions with pads gives each what it gets alone, compaction keeps the accepted path,
+the slots are refused when full, and split decoding through the server is plain greedy
+decoding. The same tests run eagerly and unpadded, as the CPU serves it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cloud_server.config import ServerConfig
+from cloud_server.engine.buckets import Buckets
+from cloud_server.engine.cuda_graphs import Rehearsal
+from cloud_server.engine.static_engine import SlotPlan, StaticEngine
+from cloud_server.engine.transformers_engine import ModulesEngine
+from cloud_server.target import TargetModel
+from shared.errors import Overloaded
+from shared.messages import Limits
+from shared.tree import DraftTree
+from testkit.split_checks import assert_split_greedy_is_plain
+from tests.server_harness import ServerThread
+
+PROMPT = [5, 17, 42, 99, 7, 61, 3, 9, 11, 12, 13]
+TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17), parents=(-1, -1, 0, 0, 1, 2, 5, 4))
+LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=300, max_new_tokens=64,
+                max_sessions=6, session_idle_timeout_s=5)
+PLAN = SlotPlan(LIMITS.max_sessions, 400, LIMITS.max_tree_nodes)
+
+
+def static_target(tiny_target: TargetModel, graphs: bool) -> TargetModel:
+    engine = StaticEngine(tiny_target.model, tiny_target.device, PLAN,
+                          Rehearsal if graphs else None, pad=graphs)
+    return TargetModel(tiny_target.model, tiny_target.tokenizer, "tiny-static",
+                       tiny_target.device, engine)
+
+
+@pytest.fixture(scope="module", params=["rehearsed", "eager"])
+def target(request: pytest.FixtureRequest, tiny_target: TargetModel) -> TargetModel:
+    return static_target(tiny_target, request.param == "rehearsed")
+
+
+def causal_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return target.model(input_ids=torch.tensor([ids])).logits[0].float()
+
+
+def test_a_tree_forward_gives_each_node_its_paths_logits(target):
+    cache, last = target.prefill(PROMPT)
+    torch.testing.assert_close(last, causal_logits(target, PROMPT)[-1], atol=1e-4, rtol=0)
+    logits = target.forward_tree(cache, 30, TREE)
+    base = PROMPT + [30]
+    torch.testing.assert_close(logits[0], causal_logits(target, base)[-1], atol=1e-4, rtol=0)
+    for node in range(len(TREE)):
+        expected = causal_logits(target, base + TREE.path_tokens(node))[-1]
+        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=0)
+
+
+def test_a_prompt_longer_than_every_bucket_runs_eagerly_and_exactly(target):
+    prompt = [(7 * i) % 300 + 3 for i in range(290)]  # a 256-token chunk, then 34
+    _, last = target.prefill(prompt)
+    torch.testing.assert_close(last, causal_logits(target, prompt)[-1], atol=1e-4, rtol=0)
+
+
+def test_sessions_of_every_shape_in_one_batch_get_what_they_get_alone(target):
+    """Pads in every direction: rows of 1, 9 and 3 tokens, 4 sessions in a bucket of 4 or
+    5 (a pad row), contexts from 2 to 41; the captured layers come out per session."""
+    prompts = [PROMPT, PROMPT[:2], list(range(40, 80)), [100]]
+    trees = [TREE, DraftTree.chain([]), DraftTree.chain([4, 5]), TREE]
+    alone = []
+    for prompt, tree in zip(prompts, trees):
+        cache, _ = target.prefill(prompt)
+        job = target.tree_job(cache, 30, tree, capture=(0, 1))
+        target.run([job])
+        alone.append((job.logits, job.hidden))
+        del cache, job
+    caches = [target.prefill(prompt)[0] for prompt in prompts]
+    jobs = [target.tree_job(c, 30, t, capture=(0, 1)) for c, t in zip(caches, trees)]
+    target.run(jobs)
+    for (logits, hidden), job in zip(alone, jobs):
+        torch.testing.assert_close(job.logits, logits, atol=1e-5, rtol=0)
+        assert job.hidden is not None and hidden is not None
+        torch.testing.assert_close(job.hidden, hidden, atol=1e-5, rtol=0)
+
+
+def test_captured_layers_are_the_modules_layer_outputs(target, tiny_target):
+    reference = tiny_target.prefill(PROMPT)[0]
+    cache = target.prefill(PROMPT)[0]
+    jobs = [t.tree_job(c, 30, TREE, capture=(1, 0)) for t, c in
+            ((tiny_target, reference), (target, cache))]
+    tiny_target.run(jobs[:1])
+    target.run(jobs[1:])
+    assert jobs[1].hidden is not None and jobs[1].hidden.shape == (1 + len(TREE), 2, 64)
+    torch.testing.assert_close(jobs[1].hidden, jobs[0].hidden, atol=1e-4, rtol=0)
+
+
+def test_compaction_keeps_the_accepted_path(target):
+    """After a tree and keep_path of the path 1 -> 4 -> 7, a step sees exactly the text
+    prompt + pending + those nodes, as a fresh prefill of it does."""
+    cache, _ = target.prefill(PROMPT)
+    target.forward_tree(cache, 30, TREE)
+    target.keep_path(cache, len(PROMPT), (1, 4, 7))
+    assert cache.get_seq_length() == len(PROMPT) + 4
+    committed = PROMPT + [30, *TREE.path_tokens(7)]
+    step = target.forward_tree(cache, 50, DraftTree.chain([]))[0]
+    torch.testing.assert_close(step, causal_logits(target, committed + [50])[-1],
+                               atol=1e-4, rtol=0)
+    keys = cache.layers[0].keys
+    assert keys.shape[:3] == (1, 2, len(committed) + 1)
+
+
+def test_slots_are_refused_when_full_and_come_back_when_a_cache_is_dropped(target):
+    held = [target.new_cache(100) for _ in range(PLAN.sessions)]
+    with pytest.raises(Overloaded, match="KV slots are taken"):
+        target.new_cache(100)
+    held.pop()
+    target.new_cache(100)
+    with pytest.raises(Overloaded, match="does not fit a KV slot"):
+        held.clear()
+        target.new_cache(PLAN.positions + 1)
+
+
+def test_buckets_hold_a_pending_token_and_trees_up_to_the_largest():
+    buckets = Buckets.up_to(most_tree_nodes=64, positions=6000, most_sessions=16)
+    assert buckets.tokens == (1, 3, 5, 9, 17, 33, 65)
+    assert buckets.contexts == (256, 1024, 4096, 6000)
+    assert buckets.sessions == (1, 2, 4, 8, 16)
+    assert buckets.fit(3, 9, 300).__dict__ == dict(sessions=4, tokens=9, context=1024)
+    assert buckets.fit(1, 66, 10) is None
+
+
+@pytest.mark.parametrize("drafter", ["pld", "aded"])
+def test_split_greedy_through_the_server_is_plain_greedy(target, drafter):
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(20, 32)) * 2, [100]]
+    with ServerThread(target, ServerConfig(LIMITS)) as server:
+        assert_split_greedy_is_plain(target, server.address, drafter, 8, prompts, 40)
+
+
+def test_an_engine_that_cannot_run_the_model_names_the_one_that_will(tmp_path):
+    from testkit.target_families import build_family
+
+    path = build_family("gemma2", tmp_path)
+    with pytest.raises(ValueError, match="--engine static cannot run it: .*--engine "
+                                         "transformers will"):
+        TargetModel.load(str(path), "gemma2", "cpu", engine="static")
+    with pytest.raises(ValueError, match="--cuda-graphs on needs the target on CUDA"):
+        TargetModel.load(str(path), "gemma2", "cpu", graphs="on")
+    assert isinstance(TargetModel.load(str(path), "gemma2", "cpu").engine, ModulesEngine)
