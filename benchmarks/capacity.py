@@ -32,7 +32,7 @@ import numpy as np
 from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, parse_cores, placement, python_module)
 from benchmarks.reliability import log, prompt_items, server_metrics
-from cloud_server.device import Device, Precision, Weights
+from cloud_server.device import Device, EngineChoice, Precision, Weights
 
 METHODS = ("split", "server-spec", "plain-api")
 SERVERS = {"batched": (), "unbatched": ("--batch-tokens", "0")}
@@ -57,6 +57,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the target's precision there (cloud-server --dtype)")
     p.add_argument("--weights", choices=[w.value for w in Weights], default=Weights.AUTO.value,
                    help="the target's weights (cloud-server --weights)")
+    p.add_argument("--engine", choices=[e.value for e in EngineChoice],
+                   default=EngineChoice.AUTO.value, help="cloud-server --engine")
     add_placement_args(p)
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as one client process
     return p.parse_args(argv)
@@ -113,7 +115,7 @@ class Cell:
 @contextlib.contextmanager
 def server(kind: str, metrics_port: int, sessions: int, args: argparse.Namespace) -> Iterator[str]:
     with cloud_server("--quiet", "--device", args.device, "--dtype", args.dtype,
-                      "--weights", args.weights,
+                      "--weights", args.weights, "--engine", args.engine,
                       "--metrics-port", str(metrics_port),
                       "--max-sessions", str(max(sessions, 4)), *SERVERS[kind],
                       cores=parse_cores(args.server_cores)) as address:
@@ -247,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     report = RESULTS / f"{args.name}.md"
     report.write_text(
         f"# {__doc__.splitlines()[0]}\n\n{machine()}; {placement(args)}; the target on "
-        f"{args.device} in {args.dtype}. "
+        f"{args.device} in {args.dtype}, engine {args.engine}. "
         f"split:DRAFTER is split decoding with that edge drafter; {args.per_client} "
         f"generations of up to {args.max_new_tokens} tokens per client, greedy, over "
         f"loopback.\n\n"

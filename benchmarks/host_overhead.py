@@ -7,8 +7,8 @@ that has SmolLM2-135M's depth and head layout (30 layers, 9 attention heads, 3 K
 49152, tied embeddings) but a tiny width (head_dim 8: hidden 72, intermediate 64) and seeded
 random weights, saved once under the cache directory with the real SmolLM2 tokenizer.
 
-What: one `cloud-server --weights fp32` (transformers' modules) serves the stand-in, on core 0
-by default, with this process's in-process clients on core 1, over loopback with no network
+What: one `cloud-server --weights fp32` per engine (`--engines`: transformers' modules, the
+static engine) serves the stand-in in turn, on core 0 by default, with this process's in-process clients on core 1, over loopback with no network
 simulation. For each method (plain-api, server-spec, split at lock-step pace with the edge
 drafter pld) and each number of sessions, that many greedy generations run at once
 (asyncio.gather). Around each cell it reads the server's Prometheus metrics (session forwards,
@@ -23,7 +23,8 @@ loop and gRPC's (and the process's other) threads. Also the model thread's waits
 (contention: on a busy machine they inflate (a)), tokens per session-forward and the clients'
 wall time per token. Writes a table, a JSON of raw records and a stacked bar plot. Linux only.
 
-    python -m benchmarks.host_overhead --sessions 1,4,16 --max-new-tokens 64
+    python -m benchmarks.host_overhead --sessions 1,4,16 --max-new-tokens 64 \
+        --engines transformers,static
 """
 from __future__ import annotations
 
@@ -88,12 +89,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", choices=("cpu", "cuda", "auto"), default="cpu",
                    help="where the server runs the stand-in (cloud-server --device)")
+    p.add_argument("--engines", default="transformers",
+                   help="comma-separated cloud-server --engine values, each served in turn; "
+                        "the first is the baseline of the model-call ratio")
     p.add_argument("--name", default="host_overhead", help="output file stem")
     add_placement_args(p)
     p.set_defaults(server_cores="0", client_cores="1")  # '' for either: anywhere
     args = p.parse_args(argv)
     args.sessions = [int(n) for n in args.sessions.split(",")]
     args.methods = args.methods.split(",")
+    args.engines = args.engines.split(",")
     if unknown := set(args.methods) - {"plain-api", "server-spec", *SPLIT_PACES}:
         p.error(f"unknown methods: {', '.join(sorted(unknown))}")
     if BASELINE not in args.methods:
@@ -192,7 +197,7 @@ def summarize(cell: dict) -> dict:
     # so the thread's time is its CPU time plus its waits for a core.
     waited = 1000 * cell["wait_s"][PARTS[0]] / fwd
     gens = cell["generations"]
-    row = {"method": cell["method"], "sessions": cell["sessions"],
+    row = {"engine": cell["engine"], "method": cell["method"], "sessions": cell["sessions"],
            "model call": model_call,
            "model call per pass": cell["forward_ms_sum"] / cell["model_forwards"],
            "sessions per pass": fwd / cell["model_forwards"],
@@ -210,19 +215,25 @@ def summarize(cell: dict) -> dict:
 
 
 def with_ratios(rows: list[dict]) -> list[dict]:
-    """Each row's total per session-forward over the baseline's at the same sessions."""
-    base = {r["sessions"]: r["total"] for r in rows if r["method"] == BASELINE}
-    return [{**r, "vs baseline": r["total"] / base[r["sessions"]]} for r in rows]
+    """Each row's total per session-forward over the baseline method's on the same engine
+    and sessions, and its model call over the first engine's for the same cell."""
+    base = {(r["engine"], r["sessions"]): r["total"] for r in rows if r["method"] == BASELINE}
+    first = rows[0]["engine"]
+    call = {(r["method"], r["sessions"]): r["model call"] for r in rows if r["engine"] == first}
+    return [{**r, "vs baseline": r["total"] / base[r["engine"], r["sessions"]],
+             "call vs first": r["model call"] / call[r["method"], r["sessions"]]} for r in rows]
 
 
 def render(rows: list[dict]) -> str:
-    body = [(r["method"], r["sessions"], f"{r['model call']:.2f}",
+    body = [(r["engine"], r["method"], r["sessions"], f"{r['model call']:.2f}",
+             f"{r['call vs first']:.2f}",
              f"{r['model call per pass']:.2f} ({r['sessions per pass']:.1f})",
              f"{r['other model thread']:.2f}", f"{r['wire']:.2f}",
              f"{r['outside model call']:.2f}", f"{r['total']:.2f}", f"{r['vs baseline']:.2f}",
              f"{r['model thread waited']:.2f}", f"{r['tokens per forward']:.2f}",
              f"{r['client ms/token']:.1f}", f"{r['cell ms/token']:.2f}") for r in rows]
-    return markdown_table(("method", "sessions", "model call ms/session-fwd",
+    return markdown_table(("engine", "method", "sessions", "model call ms/session-fwd",
+                           f"model call vs {rows[0]['engine']}",
                            "model call ms/pass (sessions/pass)", "other model-thread ms",
                            "wire ms (event loop + gRPC)", "host ms outside model call",
                            "total ms/session-fwd", f"total vs {BASELINE}",
@@ -232,14 +243,14 @@ def render(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    stacked_bars(path, [f"{r['method']}\n{r['sessions']} sess." for r in rows],
+    stacked_bars(path, [f"{r['engine']}\n{r['method']}\n{r['sessions']} sess." for r in rows],
                  {part: [r[part] for r in rows] for part in STACK},
                  "server ms per session-forward",
                  "Host time per session-forward, stand-in target (negligible math)")
 
 
-async def run_all(address: str, pid: int, metrics_port: int, args: argparse.Namespace
-                  ) -> list[dict]:
+async def run_all(address: str, pid: int, metrics_port: int, engine: str,
+                  args: argparse.Namespace) -> list[dict]:
     """Every (sessions, method) cell, each method through a client of its own, warmed once."""
     batches = {n: requests(n, args.max_new_tokens) for n in args.sessions}
     warm = prompts.load(prompts.SETS[0], 1)[0]["prompt"]
@@ -249,9 +260,10 @@ async def run_all(address: str, pid: int, metrics_port: int, args: argparse.Name
         for n in args.sessions:
             for method in args.methods:
                 cell = await run_cell(clients[method], method, batches[n], pid, metrics_port)
+                cell["engine"] = engine
                 cells.append(cell)
                 row = summarize(cell)
-                log(f"  {method:>14} x{n:<3} {row['total']:6.2f} ms/session-forward "
+                log(f"  {engine:>12} {method:>14} x{n:<3} {row['total']:6.2f} ms/session-forward "
                     f"({row['model call']:.2f} model call), {row['tokens per forward']:.2f} "
                     f"tokens/session-forward")
     return cells
@@ -260,19 +272,21 @@ async def run_all(address: str, pid: int, metrics_port: int, args: argparse.Name
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = standin_dir()
-    metrics_port = free_port()
-    server_args = ("--model", str(model), "--weights", "fp32", "--device", args.device,
-                   "--drafter-dir", "none", "--metrics-port", str(metrics_port),
-                   "--max-sessions", str(max(args.sessions) + 4), "--quiet")
-    with cloud_server(*server_args, cores=parse_cores(args.server_cores)) as address:
-        pid = server_pid()
-        if client_cores := parse_cores(args.client_cores):
-            os.sched_setaffinity(0, client_cores)  # this process: the clients
-        cells = asyncio.run(run_all(address, pid, metrics_port, args))
+    if client_cores := parse_cores(args.client_cores):
+        os.sched_setaffinity(0, client_cores)  # this process: the clients
+    cells = []
+    for engine in args.engines:
+        metrics_port = free_port()
+        server_args = ("--model", str(model), "--weights", "fp32", "--device", args.device,
+                       "--engine", engine, "--drafter-dir", "none",
+                       "--metrics-port", str(metrics_port),
+                       "--max-sessions", str(max(args.sessions) + 4), "--quiet")
+        with cloud_server(*server_args, cores=parse_cores(args.server_cores)) as address:
+            cells += asyncio.run(run_all(address, server_pid(), metrics_port, engine, args))
     rows = with_ratios([summarize(c) for c in cells])
     header = (f"Stand-in target: SmolLM2-135M's layout (30 layers, 9/3 heads, vocab 49152, tied) "
               f"at head_dim 8 (hidden 72, intermediate 64), random weights (seed {SEED}), "
-              f"`--weights fp32` on {args.device}; greedy, {args.max_new_tokens} new tokens "
+              f"`--weights fp32` on {args.device}, engines {', '.join(args.engines)}; greedy, {args.max_new_tokens} new tokens "
               f"max, split drafter {args.drafter}, loopback, no network simulation; per "
               f"session-forward (prefills included), from the server's metrics and its "
               f"per-thread CPU read from /proc around each cell (and {SETTLE_S} s after it). "

@@ -173,6 +173,10 @@ def run(argv: list[str]) -> int:
         service = build_service(target, config, model_thread)
         print(f"loaded {model_id} on {target.device}: {target.engine.describe()}",
               file=sys.stderr, flush=True)
+        if str(target.model.dtype) != "torch.float32":
+            print(f"{target.model.dtype}: greedy output is plain decoding's up to near-ties "
+                  "(docs/usage.md, --dtype; --dtype fp32 for the fp32 output)",
+                  file=sys.stderr, flush=True)
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)
             print(f"metrics on http://{args.host}:{bound}/metrics", file=sys.stderr, flush=True)

@@ -1,12 +1,16 @@
 """Plain greedy decoding of the target, and the rule that judges split output against it.
 
-Split decoding must emit exactly what plain greedy decoding emits. fp32 sums over a tree batch
-and over one token are ordered differently, so where the target's top two logits are within
-rounding of each other the two may pick different tokens; such a divergence is allowed only when
-the top-2 gap at that position is below NEAR_TIE (docs/architecture.md, Verification).
+Split decoding must emit exactly what plain greedy decoding emits. A tree forward and a
+one-token step add in a different order (other kernels for other shapes), so where the target's
+top two logits are within rounding of each other the two may pick different tokens. The
+near-tie rule, stated once: such a divergence is allowed only when the top-2 gap at that
+position is below `near_tie(dtype, top)`: NEAR_TIE in fp32, and in bf16 or fp16, whose logits
+are stored to 8 or 11 bits, HALF_TIE_ULPS units in the last place of the top logit
+(docs/architecture.md, Verification).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,6 +20,15 @@ from cloud_server.target import TargetModel
 from shared.tree import DraftTree
 
 NEAR_TIE = 1e-3
+HALF_TIE_ULPS = 4
+
+
+def near_tie(dtype: torch.dtype, top: float) -> float:
+    """The largest top-2 gap at which a divergence is a near-tie, for a target in `dtype`
+    whose top logit there is `top`."""
+    if dtype == torch.float32:
+        return NEAR_TIE
+    return HALF_TIE_ULPS * torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(top) or 1))
 
 
 @torch.inference_mode()
@@ -51,10 +64,11 @@ def _stepped_greedy(target: TargetModel, prompt_ids: Sequence[int], max_new_toke
 class Comparison:
     divergence: int | None  # first index where the outputs differ, None when equal
     top2_gap: float  # the target's top-2 logit gap there (inf when equal)
+    tie: float = NEAR_TIE  # the near-tie bound there (near_tie)
 
     @property
     def lossless(self) -> bool:
-        return self.divergence is None or self.top2_gap < NEAR_TIE
+        return self.divergence is None or self.top2_gap < self.tie
 
 
 @torch.inference_mode()
@@ -72,4 +86,4 @@ def compare(target: TargetModel, prompt_ids: Sequence[int], split: Sequence[int]
     else:
         logits = target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0, -1]
     top2 = torch.topk(logits.float(), 2).values
-    return Comparison(j, float(top2[0] - top2[1]))
+    return Comparison(j, float(top2[0] - top2[1]), near_tie(target.model.dtype, float(top2[0])))

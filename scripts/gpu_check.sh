@@ -1,47 +1,74 @@
 #!/usr/bin/env bash
-# The GPU path, checked on a machine with a CUDA GPU: the equivalence tests with the target on
-# CUDA (tree forwards against causal ones, batched sessions against each alone, split decoding
-# and server-side speculation against plain greedy decoding, bf16/fp16 batching, the sampling
-# rules), then the capacity benchmark with the server's target on the GPU. CI has no GPU and
-# never runs this. Run it from the repository root with the project importable (`make install`,
-# or the packages on PYTHONPATH):
+# The GPU node checked end to end, in one run (at most 8 minutes on an H100 at the defaults):
+#   1. the equivalence tests with the target on CUDA, through the static engine with CUDA graphs
+#      (tree forwards against causal ones, batched sessions against each alone, split decoding
+#      and server-side speculation against plain greedy decoding, the families, the sampling
+#      rules);
+#   2. forward time per bucket, transformers against the static engine eager and with graphs
+#      (benchmarks/static_steps.py);
+#   3. the capacity benchmark with 1, 4 and 16 edge clients on the node's other cores (batched
+#      plain API, server-side speculation, split decoding), tokens/s together and inter-token
+#      latency (benchmarks/capacity.py).
+# Tables, plots, logs and a draft LOG entry land in OUT_DIR. `DEVICE=cpu` runs the same steps
+# on the CPU at small sizes (the rehearsal: a GPU then adds only the device). CI never runs it.
 #
-#   scripts/gpu_check.sh [LOG_DIR]
+#   scripts/gpu_check.sh OUT_DIR
 #
-# Settings (environment), with their defaults: PYTHON (python3), CLIENTS (1,4,16), PER_CLIENT
-# (1), MAX_NEW_TOKENS (96), DTYPE (fp32), START_DELAY_S (8), TESTS_TIMEOUT_S (300),
-# CAPACITY_TIMEOUT_S (420), CAPACITY (1; 0 runs the tests alone). Logs go to LOG_DIR
-# (benchmarks/results); the capacity table and plot to benchmarks/results/capacity_gpu.{md,png}.
+# Settings (environment), with their defaults: PYTHON (python3), DEVICE (cuda), DTYPE (auto),
+# CLIENTS (1,4,16; cpu: 1,2), PER_CLIENT (1), MAX_NEW_TOKENS (96; cpu: 24), START_DELAY_S (8),
+# TESTS_TIMEOUT_S (240), STEPS_TIMEOUT_S (90), CAPACITY_TIMEOUT_S (300), CAPACITY (1; 0: skip).
 set -uo pipefail
 
-logs=${1:-benchmarks/results}
+out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
 py=${PYTHON:-python3}
-mkdir -p "$logs"
-
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$logs/gpu_device.txt"
-
-SPLITDEC_TEST_DEVICE=cuda timeout "${TESTS_TIMEOUT_S:-300}" "$py" -m pytest -q \
-    -p no:cacheprovider --durations=5 \
-    tests/test_target_tree_forward.py tests/test_batching.py tests/test_split_decoding_tiny.py \
-    tests/test_paced_tiny.py tests/test_split_sampling_tiny.py tests/test_split_decoding_real.py \
-    "tests/test_moa_real.py::test_committed_drafter_is_lossless_and_accepts[moa]" \
-    tests/test_large_payloads_real.py tests/test_kv_cache.py tests/test_target_families.py 2>&1 | tee "$logs/gpu_tests.log"
-tests=$?
-
-if [ "${CAPACITY:-1}" = 0 ]; then
-    echo "equivalence tests: exit $tests"
-    exit "$tests"
+device=${DEVICE:-cuda}
+mkdir -p "$out"
+if [ "$device" = cpu ]; then
+    clients=${CLIENTS:-1,2}; max_new=${MAX_NEW_TOKENS:-24}; sessions=1,2; tokens=1,9
+    tests=(tests/test_static_engine.py "tests/test_target_families.py::test_split_greedy_is_plain_greedy")
+else
+    clients=${CLIENTS:-1,4,16}; max_new=${MAX_NEW_TOKENS:-96}; sessions=1,4,16; tokens=1,9,17,65
+    tests=(tests/test_static_engine.py tests/test_target_tree_forward.py tests/test_batching.py
+           tests/test_split_decoding_tiny.py tests/test_paced_tiny.py
+           tests/test_split_sampling_tiny.py tests/test_target_families.py
+           "tests/test_moa_real.py::test_committed_drafter_is_lossless_and_accepts[moa]")
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 fi
 
-# The server on two cores, each edge client process on the rest (laptops apart from the node).
-cores=$(nproc)
-clients=$(seq -s, 2 $((cores - 1)))
-timeout "${CAPACITY_TIMEOUT_S:-420}" "$py" -m benchmarks.capacity --device cuda \
-    --dtype "${DTYPE:-fp32}" --clients "${CLIENTS:-1,4,16}" --drafters moa \
-    --per-client "${PER_CLIENT:-1}" --max-new-tokens "${MAX_NEW_TOKENS:-96}" \
-    --start-delay-s "${START_DELAY_S:-8}" --server-cores 0,1 --client-cores "$clients" \
-    --name capacity_gpu 2>&1 | tee "$logs/capacity_gpu.log"
-capacity=$?
+SPLITDEC_TEST_DEVICE=$device timeout "${TESTS_TIMEOUT_S:-240}" "$py" -m pytest -q \
+    -p no:cacheprovider --durations=5 "${tests[@]}" 2>&1 | tee "$out/tests.log"
+tests_rc=${PIPESTATUS[0]}
 
-echo "equivalence tests: exit $tests; capacity benchmark: exit $capacity"
-[ "$tests" -eq 0 ] && [ "$capacity" -eq 0 ]
+timeout "${STEPS_TIMEOUT_S:-90}" "$py" -m benchmarks.static_steps --device "$device" \
+    --dtype "${DTYPE:-auto}" --sessions "$sessions" --tokens "$tokens" \
+    --name "static_steps_$device" 2>&1 | tee "$out/static_steps.log"
+steps_rc=${PIPESTATUS[0]}
+
+capacity_rc=0
+if [ "${CAPACITY:-1}" != 0 ]; then
+    # The server on two cores, each edge client process on the rest (laptops apart from the node).
+    cores=$(nproc)
+    timeout "${CAPACITY_TIMEOUT_S:-300}" "$py" -m benchmarks.capacity --device "$device" \
+        --dtype "${DTYPE:-auto}" --weights fp32 --clients "$clients" --drafters moa \
+        --per-client "${PER_CLIENT:-1}" --max-new-tokens "$max_new" \
+        --start-delay-s "${START_DELAY_S:-8}" --server-cores 0 \
+        --client-cores "$(seq -s, 1 $((cores - 1)))" --name "capacity_static_$device" \
+        2>&1 | tee "$out/capacity.log"
+    capacity_rc=${PIPESTATUS[0]}
+fi
+
+for f in benchmarks/results/static_steps_"$device".* benchmarks/results/capacity_static_"$device".*; do
+    [ -f "$f" ] && cp "$f" "$out/"
+done
+{
+    echo "## gpu_check_$device"
+    echo "- date: $(date -u +%F); commit: $(git rev-parse --short HEAD 2>/dev/null || echo none)"
+    echo "- command: DEVICE=$device scripts/gpu_check.sh OUT_DIR"
+    echo "- exits: tests $tests_rc, static_steps $steps_rc, capacity $capacity_rc"
+    echo
+    cat "$out/static_steps_$device.md" 2>/dev/null
+    echo
+    cat "$out/capacity_static_$device.md" 2>/dev/null
+} > "$out/LOG_entry.md"
+echo "equivalence tests: exit $tests_rc; static_steps: exit $steps_rc; capacity: exit $capacity_rc"
+[ "$tests_rc" -eq 0 ] && [ "$steps_rc" -eq 0 ] && [ "$capacity_rc" -eq 0 ]

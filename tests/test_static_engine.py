@@ -11,7 +11,7 @@ import torch
 
 from cloud_server.config import ServerConfig
 from cloud_server.engine.buckets import Buckets
-from cloud_server.engine.cuda_graphs import Rehearsal
+from cloud_server.engine.cuda_graphs import Rehearsal, Replay
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
 from cloud_server.engine.transformers_engine import ModulesEngine
 from cloud_server.target import TargetModel
@@ -29,8 +29,10 @@ PLAN = SlotPlan(LIMITS.max_sessions, 400, LIMITS.max_tree_nodes)
 
 
 def static_target(tiny_target: TargetModel, graphs: bool) -> TargetModel:
+    """`graphs`: CUDA graphs on a GPU (SPLITDEC_TEST_DEVICE=cuda), their rehearsal here."""
+    kind = Replay if tiny_target.device.type == "cuda" else Rehearsal
     engine = StaticEngine(tiny_target.model, tiny_target.device, PLAN,
-                          Rehearsal if graphs else None, pad=graphs)
+                          kind if graphs else None, pad=graphs)
     return TargetModel(tiny_target.model, tiny_target.tokenizer, "tiny-static",
                        tiny_target.device, engine)
 
@@ -42,7 +44,8 @@ def target(request: pytest.FixtureRequest, tiny_target: TargetModel) -> TargetMo
 
 def causal_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids])).logits[0].float()
+        return target.model(input_ids=torch.tensor([ids], device=target.device)
+                            ).logits[0].float()
 
 
 def test_a_tree_forward_gives_each_node_its_paths_logits(target):
