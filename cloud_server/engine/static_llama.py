@@ -8,7 +8,9 @@ is a tensor input, so one shape can be captured once as a CUDA graph and replaye
 (cuda_graphs.py; the style of gpt-fast's model.py). The context length `ctx` each row attends
 over is the only number baked into a shape. The math is transformers' own, op for op (RMSNorm in
 fp32, RoPE cos/sin in fp32 cast to the weights' dtype, SDPA with the module's scale), so it
-agrees with the modules up to rounding. The weights are the loaded modules' tensors, not copies.
+agrees with the modules up to rounding. Fewer, larger ops where that is free: q, k and v are one
+matmul, and so are gate and up; the modules' own weights become views of the fused ones, so the
+model is held once.
 """
 from __future__ import annotations
 
@@ -54,15 +56,12 @@ class Linear:
 @dataclass(frozen=True)
 class Layer:
     attn_norm: torch.Tensor  # [width]
-    q: Linear
-    k: Linear
-    v: Linear
+    qkv: Linear  # [(heads + 2 * kv_heads) * head_dim, width]
     o: Linear
     q_norm: torch.Tensor | None  # [head_dim], Qwen3
     k_norm: torch.Tensor | None
     mlp_norm: torch.Tensor
-    gate: Linear
-    up: Linear
+    gate_up: Linear  # [2 * intermediate, width]
     down: Linear
 
 
@@ -113,23 +112,23 @@ class StaticLlama:
         S, T = tree.shape[0], tree.shape[1]
         ids, pos, write_slot, write_at = ints[: 4 * S * T].view(4, S, T)
         read_slot, cached = ints[4 * S * T:].view(2, S)
-        x = F.embedding(ids, self.embed)  # [S, T, width]
+        x = F.embedding(ids.flatten(), self.embed)  # [S * T, width]: 2D, so linear is one mm
         cos, sin = self._rope(pos)  # [S, 1, T, head_dim]
         bias = self._mask(tree, cached, ctx)  # [S, 1, T, ctx]
         kept = []
         for i, layer in enumerate(self.layers):
-            x = x + self._attend(layer, _rms(x, layer.attn_norm, self.eps), cos, sin, kv[0, i],
-                                 kv[1, i], write_slot, write_at, read_slot, bias, ctx)
-            h = _rms(x, layer.mlp_norm, self.eps)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+            x = x + self._attend(layer, _rms(x, layer.attn_norm, self.eps).view(S, T, -1), cos,
+                                 sin, kv[0, i], kv[1, i], write_slot, write_at, read_slot, bias,
+                                 ctx)
+            gate, up = layer.gate_up(_rms(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
             if i in capture:
                 kept.append(x)
-        final = _rms(x, self.norm, self.eps).view(S * T, -1)
+        final = _rms(x, self.norm, self.eps)
         if not capture:
             return final, None
         order = sorted(capture)
-        stacked = torch.stack([kept[order.index(i)] for i in capture], dim=2)
-        return final, stacked.view(S * T, len(capture), -1)
+        return final, torch.stack([kept[order.index(i)] for i in capture], dim=1)
 
     def _attend(self, layer: Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 keys: torch.Tensor, values: torch.Tensor, write_slot: torch.Tensor,
@@ -137,13 +136,14 @@ class StaticLlama:
                 ctx: int) -> torch.Tensor:
         """keys, values: one layer's slots [slots, kv_heads, positions, head_dim]."""
         S, T, _ = h.shape
-        q = layer.q(h).view(S, T, self.heads, self.head_dim)
-        k = layer.k(h).view(S, T, self.kv_heads, self.head_dim)
-        v = layer.v(h).view(S, T, self.kv_heads, self.head_dim)
+        H, G = self.heads, self.kv_heads
+        qkv = layer.qkv(h).view(S, T, H + 2 * G, self.head_dim)
+        qk, v = qkv[:, :, : H + G], qkv[:, :, H + G:]
         if layer.q_norm is not None and layer.k_norm is not None:
-            q, k = _rms(q, layer.q_norm, self.eps), _rms(k, layer.k_norm, self.eps)
-        q = _rotate(q.transpose(1, 2), cos, sin)  # [S, heads, T, head_dim]
-        k = _rotate(k.transpose(1, 2), cos, sin)  # [S, kv_heads, T, head_dim]
+            qk = torch.cat((_rms(qk[:, :, :H], layer.q_norm, self.eps),
+                            _rms(qk[:, :, H:], layer.k_norm, self.eps)), dim=2)
+        qk = _rotate(qk.transpose(1, 2), cos, sin)  # [S, heads + kv_heads, T, head_dim]
+        q, k = qk[:, :H], qk[:, H:]
         heads = torch.arange(self.kv_heads, device=h.device)
         where = (write_slot[:, None, :], heads[None, :, None], write_at[:, None, :])
         keys.index_put_(where, k)
@@ -151,7 +151,7 @@ class StaticLlama:
         out = F.scaled_dot_product_attention(
             q, keys[:, :, :ctx][read_slot], values[:, :, :ctx][read_slot], attn_mask=bias,
             scale=self.scale, enable_gqa=self.heads != self.kv_heads)  # [S, heads, T, hd]
-        return layer.o(out.transpose(1, 2).reshape(S, T, self.heads * self.head_dim))
+        return layer.o(out.transpose(1, 2).reshape(S * T, self.heads * self.head_dim))
 
     def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = pos[..., None].float() * self.inv_freq  # [S, T, head_dim / 2]
@@ -185,16 +185,33 @@ def pack(ids: torch.Tensor, pos: torch.Tensor, write_slot: torch.Tensor, write_a
 def _layer(block: Any) -> Layer:
     attn, mlp = block.self_attn, block.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return Layer(block.input_layernorm.weight, Linear.of(attn.q_proj), Linear.of(attn.k_proj),
-                 Linear.of(attn.v_proj), Linear.of(attn.o_proj),
+    return Layer(block.input_layernorm.weight,
+                 _fused(attn.q_proj, attn.k_proj, attn.v_proj), Linear.of(attn.o_proj),
                  None if q_norm is None else q_norm.weight,
                  None if k_norm is None else k_norm.weight,
-                 block.post_attention_layernorm.weight, Linear.of(mlp.gate_proj),
-                 Linear.of(mlp.up_proj), Linear.of(mlp.down_proj))
+                 block.post_attention_layernorm.weight, _fused(mlp.gate_proj, mlp.up_proj),
+                 Linear.of(mlp.down_proj))
+
+
+@torch.no_grad()
+def _fused(*modules: Any) -> Linear:
+    """One Linear stacking the modules' outputs; each module's weight (and bias) becomes a view
+    of the stacked one, so the modules compute as before and nothing is held twice."""
+    weight = torch.cat([m.weight for m in modules])
+    biases = [getattr(m, "bias", None) for m in modules]
+    bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore[arg-type]
+    sizes = [m.weight.shape[0] for m in modules]
+    for m, part in zip(modules, weight.split(sizes)):
+        m.weight = torch.nn.Parameter(part, requires_grad=False)
+    if bias is not None:
+        for m, part in zip(modules, bias.split(sizes)):
+            m.bias = torch.nn.Parameter(part, requires_grad=False)
+    return Linear(weight, bias)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalized in fp32, scaled in the input's dtype."""
+    """transformers' LlamaRMSNorm: normalized in fp32, scaled in the input's dtype (torch's
+    rms_norm is no single kernel on the CPU, and costs several times these few ops)."""
     wide = x.float()
     wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
     return weight * wide.to(x.dtype)
