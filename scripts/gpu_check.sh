@@ -16,7 +16,7 @@
 #
 # Settings (environment), with their defaults: PYTHON (python3), DEVICE (cuda), DTYPE (auto),
 # CLIENTS (1,4,16; cpu: 1,2), PER_CLIENT (1), MAX_NEW_TOKENS (96; cpu: 24), START_DELAY_S (8),
-# TESTS_TIMEOUT_S (240), STEPS_TIMEOUT_S (90), CAPACITY_TIMEOUT_S (300), CAPACITY (1; 0: skip).
+# TESTS_TIMEOUT_S (180), STEPS_TIMEOUT_S (60), CAPACITY_TIMEOUT_S (220), CAPACITY (1; 0: skip).
 set -uo pipefail
 
 out=${1:?usage: scripts/gpu_check.sh OUT_DIR}
@@ -35,11 +35,11 @@ else
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/device.txt"
 fi
 
-SPLITDEC_TEST_DEVICE=$device timeout "${TESTS_TIMEOUT_S:-240}" "$py" -m pytest -q \
+SPLITDEC_TEST_DEVICE=$device timeout "${TESTS_TIMEOUT_S:-180}" "$py" -m pytest -q \
     -p no:cacheprovider --durations=5 "${tests[@]}" 2>&1 | tee "$out/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
-timeout "${STEPS_TIMEOUT_S:-90}" "$py" -m benchmarks.static_steps --device "$device" \
+timeout "${STEPS_TIMEOUT_S:-60}" "$py" -m benchmarks.static_steps --device "$device" \
     --dtype "${DTYPE:-auto}" --sessions "$sessions" --tokens "$tokens" \
     --name "static_steps_$device" 2>&1 | tee "$out/static_steps.log"
 steps_rc=${PIPESTATUS[0]}
@@ -48,8 +48,8 @@ capacity_rc=0
 if [ "${CAPACITY:-1}" != 0 ]; then
     # The server on two cores, each edge client process on the rest (laptops apart from the node).
     cores=$(nproc)
-    timeout "${CAPACITY_TIMEOUT_S:-300}" "$py" -m benchmarks.capacity --device "$device" \
-        --dtype "${DTYPE:-auto}" --weights fp32 --clients "$clients" --drafters moa \
+    timeout "${CAPACITY_TIMEOUT_S:-220}" "$py" -m benchmarks.capacity --device "$device" \
+        --dtype "${DTYPE:-auto}" --weights fp32 --engine static --clients "$clients" --drafters moa \
         --per-client "${PER_CLIENT:-1}" --max-new-tokens "$max_new" \
         --start-delay-s "${START_DELAY_S:-8}" --server-cores 0 \
         --client-cores "$(seq -s, 1 $((cores - 1)))" --name "capacity_static_$device" \

@@ -6,6 +6,9 @@ the slots are refused when full, and split decoding through the server is plain 
 decoding. The same tests run eagerly and unpadded, as the CPU serves it."""
 from __future__ import annotations
 
+import asyncio
+
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +19,9 @@ from cloud_server.engine.static_engine import SlotPlan, StaticEngine
 from cloud_server.engine.transformers_engine import ModulesEngine
 from cloud_server.target import TargetModel
 from shared.errors import Overloaded
-from shared.messages import Limits
+from cloud_server.reference import compare, plain_greedy
+from edge_client.client import ClientOptions, EdgeClient
+from shared.messages import Limits, OpenRequest
 from shared.tree import DraftTree
 from testkit.split_checks import assert_split_greedy_is_plain
 from tests.server_harness import ServerThread
@@ -117,6 +122,9 @@ def test_slots_are_refused_when_full_and_come_back_when_a_cache_is_dropped(targe
     with pytest.raises(Overloaded, match="KV slots are taken"):
         target.new_cache(100)
     held.pop()
+    cycle: list = [target.new_cache(100)]  # a finished session's cache in a reference cycle
+    cycle.append(cycle)
+    del cycle
     target.new_cache(100)
     with pytest.raises(Overloaded, match="does not fit a KV slot"):
         held.clear()
@@ -149,3 +157,39 @@ def test_an_engine_that_cannot_run_the_model_names_the_one_that_will(tmp_path):
     with pytest.raises(ValueError, match="--cuda-graphs on needs the target on CUDA"):
         TargetModel.load(str(path), "gemma2", "cpu", graphs="on")
     assert isinstance(TargetModel.load(str(path), "gemma2", "cpu").engine, ModulesEngine)
+
+
+@pytest.mark.parametrize("variant", ["", "last"])  # K/V read from the cache; layers captured
+def test_the_drafters_activations_are_the_modules(target, tiny_target, tiny_drafter_dir,
+                                                   variant):
+    from cloud_server.moa.activations import ServerActivations
+
+    activations = ServerActivations.load(tiny_drafter_dir / variant, tiny_target.model)
+    layers = activations.hidden_layers
+    found = []
+    for t in (tiny_target, target):
+        cache = t.new_cache()
+        _, hidden = t.drive(t.prefill_jobs(cache, PROMPT, layers))
+        found.append(activations(cache, 0, len(PROMPT), hidden, dtype=np.float32))
+    np.testing.assert_allclose(found[1], found[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["", "last"])
+def test_moa_split_greedy_through_the_server_is_plain_greedy(target, tiny_drafter_dir, variant,
+                                                              tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    config = ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir / variant)
+    prompts = [[1, 46, 47, 48, 49], [1, 60, 61, 62]]
+    with ServerThread(target, config) as server:
+        results = split_outputs(server.address, "moa", prompts, 32)
+    for prompt, result in zip(prompts, results):  # lossless; how much is accepted is the drafter's
+        assert compare(target, prompt, result.output_ids, plain_greedy(target, prompt, 32)).lossless
+
+
+def split_outputs(address: str, drafter: str, prompts: list[list[int]], max_new: int) -> list:
+    async def go() -> list:
+        async with EdgeClient(address, ClientOptions(drafter, 16, max_new)) as client:
+            return [await client.generate(OpenRequest(prompt_ids=tuple(p),
+                                                      max_new_tokens=max_new))
+                    for p in prompts]
+    return asyncio.run(go())

@@ -9,6 +9,7 @@ tree moves the accepted entries down within the slot, every layer in one indexed
 """
 from __future__ import annotations
 
+import gc
 import threading
 import weakref
 from dataclasses import dataclass
@@ -65,6 +66,8 @@ class SlotPool:
         if most_positions is not None and most_positions > self.positions:
             raise Overloaded(f"a session of up to {most_positions} positions does not fit a KV "
                              f"slot of {self.positions}: lower max_new_tokens or the prompt")
+        if not self._free:
+            gc.collect()  # a finished session's cache may wait in a reference cycle
         with self._lock:
             if not self._free:
                 raise Overloaded(f"all {self.scratch} KV slots are taken: try again later")
