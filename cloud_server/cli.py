@@ -41,9 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "or PyTorch's default")
     p.add_argument("--weights", choices=[w.value for w in Weights], default=Weights.AUTO.value,
                    help="q4: the GGUF's 4-bit blocks (or the checkpoint rounded to 4 bits) in one "
-                        "onnxruntime graph, on the CPU, for Llama-shaped models; fp32: "
-                        "transformers' modules in --dtype; auto (default): q4 where it runs, "
-                        "else fp32. Split output equals the same server's plain output either way")
+                        "onnxruntime graph, on the CPU, for Llama-shaped models; fp32: the "
+                        "weights unquantized, in --dtype, run by --engine; auto (default): q4 "
+                        "for a model from a 4-bit GGUF (the embedded default) where it runs, "
+                        "else fp32: a checkpoint of yours keeps its precision. Split output "
+                        "equals the same server's plain output either way")
     p.add_argument("--engine", choices=[e.value for e in EngineChoice],
                    default=EngineChoice.AUTO.value,
                    help="what runs --weights fp32: static (static shapes over preallocated KV "

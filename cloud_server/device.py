@@ -22,7 +22,7 @@ class Precision(StrEnum):
 class Weights(StrEnum):
     """How the target's linear layers are stored and run (`cloud-server --weights`)."""
 
-    AUTO = "auto"  # q4 where the 4-bit engine runs the model (the CPU, a Llama), else fp32
+    AUTO = "auto"  # q4 for a model from a 4-bit GGUF where the engine runs it, else fp32
     FP32 = "fp32"  # transformers' modules, in --dtype
     Q4 = "q4"  # the GGUF's 4-bit blocks in one onnxruntime graph (cloud_server/engine/onnx_engine.py)
 

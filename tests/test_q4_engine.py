@@ -110,8 +110,9 @@ def test_a_model_the_engine_cannot_run_is_refused_by_name(tmp_path):
                            "--weights", "q4", "--drafter-dir", "none", "--port", "0"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "cloud-server: error: --weights q4 cannot run this model")
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("cloud-server: error: ") and "--weights q4 cannot run it" in last
+    assert last.endswith("--weights fp32 will")
 
 
 @pytest.mark.slow
@@ -157,3 +158,13 @@ def test_real_model_split_equals_plain_through_the_engine(real_q4_target, real_q
         assert result.output_ids == plain, (text[:60], compare(
             real_q4_target, result.prompt_ids, result.output_ids, plain))
     assert sum(r.rounds for r in results) < sum(len(r.output_ids) for r in results)
+
+
+def test_auto_keeps_a_users_checkpoint_in_its_precision(tiny_model_dir):
+    """Only a model converted from a 4-bit GGUF runs 4-bit unasked (issue 54: a user's Llama was
+    rounded silently); a user's checkpoint is served as it is, its weights the modules' own."""
+    from cloud_server.engine.transformers_engine import ModulesEngine
+
+    target = TargetModel.load(str(tiny_model_dir), "tiny-llama", "cpu", weights="auto")
+    assert isinstance(target.engine, ModulesEngine)
+    assert target.model.dtype == torch.float32

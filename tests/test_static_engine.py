@@ -7,6 +7,8 @@ decoding. The same tests run eagerly and unpadded, as the CPU serves it."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -157,6 +159,12 @@ def test_an_engine_that_cannot_run_the_model_names_the_one_that_will(tmp_path):
     with pytest.raises(ValueError, match="--cuda-graphs on needs the target on CUDA"):
         TargetModel.load(str(path), "gemma2", "cpu", graphs="on")
     assert isinstance(TargetModel.load(str(path), "gemma2", "cpu").engine, ModulesEngine)
+    proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--model", str(path),
+                           "--engine", "static", "--drafter-dir", "none", "--port", "0"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("cloud-server: error: ") and last.endswith("transformers will")
 
 
 @pytest.mark.parametrize("variant", ["", "last"])  # K/V read from the cache; layers captured

@@ -38,8 +38,10 @@ def pick_engine(model: Any, device: torch.device, weights: Weights, choice: Engi
 
 
 def _quantized(model: Any, weights: Weights, gguf: Path | None) -> Engine | None:
-    """The 4-bit engine for `model` when `weights` asks for it (auto: where it can run)."""
-    if weights is Weights.FP32:
+    """The 4-bit engine for `model` when `weights` asks for it. auto asks for it only for a
+    model converted from a 4-bit GGUF, where it runs the shipped blocks: a user's checkpoint
+    keeps its precision unless `--weights q4` rounds it."""
+    if weights is Weights.FP32 or (weights is Weights.AUTO and gguf is None):
         return None
     from cloud_server.engine import onnx_engine
 
