@@ -26,6 +26,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from shared.messages import Limits, OpenRequest
 from shared.tree import DraftTree
 from testkit.split_checks import assert_split_greedy_is_plain
+from testkit.tree_checks import assert_tree_forward_is_per_path, causal_logits
 from tests.server_harness import ServerThread
 
 PROMPT = [5, 17, 42, 99, 7, 61, 3, 9, 11, 12, 13]
@@ -49,21 +50,8 @@ def target(request: pytest.FixtureRequest, tiny_target: TargetModel) -> TargetMo
     return static_target(tiny_target, request.param == "rehearsed")
 
 
-def causal_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids], device=target.device)
-                            ).logits[0].float()
-
-
 def test_a_tree_forward_gives_each_node_its_paths_logits(target):
-    cache, last = target.prefill(PROMPT)
-    torch.testing.assert_close(last, causal_logits(target, PROMPT)[-1], atol=1e-4, rtol=0)
-    logits = target.forward_tree(cache, 30, TREE)
-    base = PROMPT + [30]
-    torch.testing.assert_close(logits[0], causal_logits(target, base)[-1], atol=1e-4, rtol=0)
-    for node in range(len(TREE)):
-        expected = causal_logits(target, base + TREE.path_tokens(node))[-1]
-        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=0)
+    assert_tree_forward_is_per_path(target, PROMPT, 30, TREE)
 
 
 def test_a_prompt_longer_than_every_bucket_runs_eagerly_and_exactly(target):

@@ -19,6 +19,7 @@ from shared.messages import Limits
 from shared.tree import DraftTree
 from testkit.device_under_test import DEVICE
 from testkit.split_checks import assert_split_greedy_is_plain
+from testkit.tree_checks import assert_tree_forward_is_per_path
 from testkit.target_families import FAMILIES, WINDOW, build_family
 from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
@@ -46,21 +47,8 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return TargetModel.load(str(path), family, DEVICE, engine=engine, limits=LIMITS)
 
 
-def causal_logits(target: TargetModel, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return target.model(input_ids=torch.tensor([ids], device=target.device)
-                            ).logits[0].float()
-
-
 def test_a_tree_forward_gives_each_node_its_paths_logits(target):
-    cache, last = target.prefill(PROMPT)
-    torch.testing.assert_close(last, causal_logits(target, PROMPT)[-1], atol=1e-4, rtol=0)
-    logits = target.forward_tree(cache, 30, TREE)
-    base = PROMPT + [30]
-    torch.testing.assert_close(logits[0], causal_logits(target, base)[-1], atol=1e-4, rtol=0)
-    for node in range(len(TREE)):
-        expected = causal_logits(target, base + TREE.path_tokens(node))[-1]
-        torch.testing.assert_close(logits[node + 1], expected, atol=1e-4, rtol=0)
+    assert_tree_forward_is_per_path(target, PROMPT, 30, TREE)
 
 
 def test_a_batched_forward_gives_each_session_what_it_gets_alone(target):
