@@ -69,9 +69,9 @@ def split_decode(target, server, drafter, prompt: list[int], max_new: int, max_n
                  sampling: SamplingParams = SamplingParams(),
                  acceptance: AcceptanceMode | None = None) -> RoundLog:
     """Split decoding in process, through the server's own session and loop
-    (cloud_server.server_decoding.decode_in_process); `server` (the server half) is None for
+    (cloud_server.decoding.server_decoding.decode_in_process); `server` (the server half) is None for
     a drafter that reads no activations. Times drafting and the server half apart."""
-    from cloud_server.server_decoding import decode_in_process
+    from cloud_server.decoding.server_decoding import decode_in_process
 
     log = RoundLog()
     request = OpenRequest(prompt_ids=tuple(prompt), max_new_tokens=max_new, sampling=sampling,
@@ -186,7 +186,7 @@ class Contender:
 
 def contenders(args: argparse.Namespace, target) -> list[Contender]:
     """Builds each drafter asked for; the MoA bundles are exported once and cached."""
-    from cloud_server.server_decoding import own_drafter
+    from cloud_server.decoding.server_decoding import own_drafter
     from shared.messages import Limits
 
     built = []

@@ -1,1 +1,3 @@
-"""The cloud server: the target model, sessions with their KV caches, tree verification, gRPC."""
+"""The cloud server, in three places: `engine/` runs the target's forwards (behind one
+interface), `decoding/` holds the sessions and their decode loop, and `rpc/` is the gRPC
+surface. `target.py` is the model as sessions see it; `cli.py` starts it all."""

@@ -1,7 +1,7 @@
 """`cloud-server`: loads the target model and serves split decoding over gRPC.
 
 `cloud-server train-drafter ...` trains the MoA drafter instead (cloud_server/training/cli.py);
-`cloud-server health ...` asks a running server whether it serves (cloud_server/health_check.py).
+`cloud-server health ...` asks a running server whether it serves (cloud_server/rpc/health_check.py).
 """
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import argparse
 import asyncio
 import sys
 
-from cloud_server.batching import DEFAULT_MAX_TOKENS
+from cloud_server.decoding.batching import DEFAULT_MAX_TOKENS
 from cloud_server.config import ServerConfig
-from cloud_server.pacing import PacingPolicy
+from cloud_server.decoding.pacing import PacingPolicy
 from shared.drafting import SERVER_DRAFTERS
 from cloud_server.device import Device, EngineChoice, Graphs, Precision, Weights
 from shared import progress
@@ -143,7 +143,7 @@ def run(argv: list[str]) -> int:
 
         return train_drafter(argv[1:])
     if argv[:1] == ["health"]:
-        from cloud_server.health_check import main as health
+        from cloud_server.rpc.health_check import main as health
 
         return health(argv[1:])
     args = parse_args(argv)
@@ -152,11 +152,11 @@ def run(argv: list[str]) -> int:
     try:
         from cloud_server import model_store
         from cloud_server.model_thread import ModelThread
-        from cloud_server.security import Security
-        from cloud_server.server import build_service, serve
+        from cloud_server.rpc.security import Security
+        from cloud_server.rpc.server import build_service, serve
         from cloud_server.target import TargetModel
 
-        from cloud_server.drafter_serving import find_drafter
+        from cloud_server.rpc.drafter_serving import find_drafter
 
         model_store.follow_progress_setting()
         security = Security.from_files(args.tls_cert, args.tls_key, args.auth_token_file,

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cloud_server.batching import DEFAULT_MAX_TOKENS
-from cloud_server.pacing import PacingPolicy
+from cloud_server.decoding.batching import DEFAULT_MAX_TOKENS
+from cloud_server.decoding.pacing import PacingPolicy
 from shared.messages import Limits
 
 

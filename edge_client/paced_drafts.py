@@ -45,7 +45,7 @@ class DraftSpacing:
     edge rests: it lets FIRST_REST chances pass, doubling with every probe overtaken too up
     to MAX_REST, then probes with a draft from what it holds. A rest ends only when a draft
     gets a node accepted; a probe that earns nothing starts the next rest. All the while the
-    edge wants no rows (Draft.rows_paused; they wait on the server, cloud_server/pacing.py)
+    edge wants no rows (Draft.rows_paused; they wait on the server, cloud_server/decoding/pacing.py)
     and answers only now and then (DraftFollower.needless). Before, each probe took the rows
     again until it was overtaken: on `3g` that let 65-130 KB of missed rows a 64-token answer
     onto the link, and the Verdicts queued behind them.
@@ -118,7 +118,7 @@ class DraftSpacing:
         not to wait for the draft (server pace, or auto while it judged a wait not worth it):
         that says nothing of the link, so a drafter fed the server's rows does not rest from
         it and its drafts stay there for the server's auto pace to measure again
-        (cloud_server/pacing.py, AutoPace). Measured on a loopback link before: on 2 of 4
+        (cloud_server/decoding/pacing.py, AutoPace). Measured on a loopback link before: on 2 of 4
         prompts auto stopped waiting after three forwards in which the server's own candidates
         did as well as the draft, the edge rested three drafts later, and the rest of the
         answer ran at 0.67-0.72 forwards a token against lock-step's 0.52-0.61. (With the line

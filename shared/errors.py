@@ -1,6 +1,6 @@
 """Domain errors that the server's boundary turns into gRPC status codes.
 
-Model and session code raise these; only `cloud_server/grpc_status.py` maps them to gRPC.
+Model and session code raise these; only `cloud_server/rpc/grpc_status.py` maps them to gRPC.
 """
 from __future__ import annotations
 

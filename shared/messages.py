@@ -184,7 +184,7 @@ class Verdict:
     # else a mere acknowledgement may stay unsent (edge_client/paced_drafts.py)
     answer_awaited: bool = False
     # Paced sessions: the server's own candidates had every token of the draft's accepted
-    # nodes (cloud_server/forward_builder.py); a text-only edge rests after a few (paced_drafts.py)
+    # nodes (cloud_server/decoding/forward_builder.py); a text-only edge rests after a few (paced_drafts.py)
     draft_redundant: bool = False
 
     @property

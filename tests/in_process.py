@@ -1,7 +1,7 @@
 """Split greedy decoding in one process, through the server's own session and loop."""
 from __future__ import annotations
 
-from cloud_server.server_decoding import decode_in_process
+from cloud_server.decoding.server_decoding import decode_in_process
 from shared.messages import OpenRequest
 
 

@@ -5,8 +5,8 @@ import asyncio
 import threading
 
 from cloud_server.config import ServerConfig
-from cloud_server.security import Security
-from cloud_server.server import build_service, start
+from cloud_server.rpc.security import Security
+from cloud_server.rpc.server import build_service, start
 from cloud_server.target import TargetModel
 
 

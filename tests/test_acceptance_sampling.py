@@ -411,7 +411,7 @@ def test_sampled_trees_sent_with_a_wrong_q_miss_target(build):
 def paced(client: Callable[[tuple[int, ...]], DraftTree],
           server: Callable[[tuple[int, ...]], DraftTree] | None
           ) -> Callable[[tuple[int, ...]], DraftTree]:
-    """What a server-paced forward verifies (cloud_server/forward_builder.py): the client's draft
+    """What a server-paced forward verifies (cloud_server/decoding/forward_builder.py): the client's draft
     made one token back, re-rooted at the text (shared/rerooting.py), merged with the server's
     own tree when there is one (never under sampled-drafts)."""
     def propose(text: tuple[int, ...]) -> DraftTree:

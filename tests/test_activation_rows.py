@@ -1,4 +1,4 @@
-"""Activation rows are computed when a Verdict takes them (cloud_server/activation_rows.py):
+"""Activation rows are computed when a Verdict takes them (cloud_server/decoding/activation_rows.py):
 none while the edge has them paused, all that the pause held back in the first Verdict after,
 and the same rows as computing them after every forward."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_server.activation_rows import RowKeeper
+from cloud_server.decoding.activation_rows import RowKeeper
 from cloud_server.moa.activations import ServerActivations
-from cloud_server.server_decoding import PLAIN
-from cloud_server.session import Session
+from cloud_server.decoding.server_decoding import PLAIN
+from cloud_server.decoding.session import Session
 from shared.draft_q import Proposal
 from shared.messages import ActivationFormat, Limits, OpenRequest, Pace
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from cloud_server.batching import Batcher
+from cloud_server.decoding.batching import Batcher
 from cloud_server.model_thread import ModelThread
-from cloud_server.server_decoding import ServerDecoder, decode_in_process, own_drafter
-from cloud_server.session import Session
+from cloud_server.decoding.server_decoding import ServerDecoder, decode_in_process, own_drafter
+from cloud_server.decoding.session import Session
 from cloud_server.engine.kv_cache import keep_path
 from cloud_server.target import PREFILL_CHUNK
 from shared.acceptance import AcceptanceMode
@@ -270,7 +270,7 @@ def test_a_session_that_misses_a_gathering_is_not_waited_for_again_until_it_is_b
     """A client that stops reading costs the others one short wait, not one per forward."""
     import time
 
-    from cloud_server.batching import _Rhythm
+    from cloud_server.decoding.batching import _Rhythm
 
     async def go() -> tuple[bool, bool, bool]:
         batcher = Batcher(ModelThread(), tiny_target)

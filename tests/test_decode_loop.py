@@ -1,4 +1,4 @@
-"""The server's one decode loop (cloud_server/decode_loop.py) under each wait policy: what the
+"""The server's one decode loop (cloud_server/decoding/decode_loop.py) under each wait policy: what the
 client is told of its answers, flow control under the lead, a link that does not take a Verdict,
 auto's waits as drafts come and go, and the loop's rules over the wire on the tiny server."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ from typing import Callable
 import grpc
 import pytest
 
-from cloud_server.decode_loop import DecodeLoop, Forward, Forwarded, Send
-from cloud_server.pacing import LEARNING_FORWARDS, AutoPace, PacingPolicy, wait_policy
-from cloud_server.stream_buffers import Inbox, Outbox
+from cloud_server.decoding.decode_loop import DecodeLoop, Forward, Forwarded, Send
+from cloud_server.decoding.pacing import LEARNING_FORWARDS, AutoPace, PacingPolicy, wait_policy
+from cloud_server.rpc.stream_buffers import Inbox, Outbox
 from shared.messages import DraftRequest, Pace, Verdict
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc

@@ -19,8 +19,8 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from cloud_server import cli as server_cli
-from cloud_server import health_check
-from cloud_server.server import GRACE_S
+from cloud_server.rpc import health_check
+from cloud_server.rpc.server import GRACE_S
 from edge_client import cli as edge_cli
 from netsim import cli as netsim_cli
 from shared.messages import Limits

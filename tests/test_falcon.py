@@ -21,7 +21,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.drafters.moa import MoaDrafter
 from edge_client.link import LinkError
 from shared.drafter_bundle import FALCON_ARTIFACT, BundleError, Precision
-from cloud_server.server_decoding import decode_in_process
+from cloud_server.decoding.server_decoding import decode_in_process
 from shared.acceptance import AcceptanceMode
 from shared.messages import FinishReason, Limits, OpenRequest, Pace
 from shared.sampling import SamplingParams

@@ -96,7 +96,7 @@ def test_tensors_swapped_under_it_are_taken_as_they_are():
 
 
 def test_a_sessions_cache_grows_in_place_on_the_cpu_within_what_admission_counted(tiny_target):
-    from cloud_server.session import Session
+    from cloud_server.decoding.session import Session
     from shared.messages import Limits, OpenRequest
 
     limits = Limits(max_tree_nodes=8, max_tree_depth=4, max_new_tokens=16)

@@ -105,8 +105,8 @@ def test_tests_and_benchmarks_share_only_testkit(package, forbidden):
 
 
 def test_the_running_server_never_imports_training_code():
-    code = ("import sys\nimport cloud_server.cli, cloud_server.server, cloud_server.service\n"
-            "import cloud_server.drafter_serving\n"
+    code = ("import sys\nimport cloud_server.cli, cloud_server.rpc.server, cloud_server.rpc.service\n"
+            "import cloud_server.rpc.drafter_serving\n"
             "bad = [m for m in sys.modules if m.startswith('cloud_server.training')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)

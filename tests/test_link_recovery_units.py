@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from cloud_server.session_table import SessionTable
+from cloud_server.decoding.session_table import SessionTable
 from shared.drafting.pld import PromptLookupDrafter
 from edge_client.offline import Backoff, LinkPolicy, draft_offline, reconcile
 from edge_client.pipelined_drafting import Speculation
@@ -128,7 +128,7 @@ def test_session_table_admits_by_kv_budget_and_frees_finished_orphans():
 
 def test_server_accepts_the_edge_keepalive_pings():
     """A server that allows fewer pings than the edge sends answers GOAWAY too_many_pings."""
-    from cloud_server.server import server_options
+    from cloud_server.rpc.server import server_options
     from edge_client.link import LinkConfig, channel_options
     from shared.messages import Limits
 

@@ -168,7 +168,7 @@ def test_hidden_input_drafter_through_the_session(tiny_target, tiny_drafter_dir,
     forwards, and every row the Verdicts carry equals the server half over a plain causal
     forward of the committed text (what training saw); the text equals plain greedy."""
     from cloud_server.moa.bundle import build_bundle
-    from cloud_server.server_decoding import decode_in_process
+    from cloud_server.decoding.server_decoding import decode_in_process
     from shared.messages import OpenRequest
 
     from cloud_server.engine.layer_outputs import LayerOutputs
@@ -204,7 +204,7 @@ def test_hidden_input_rows_survive_a_resume_and_a_rebuild(tiny_target, tiny_draf
     """Layer outputs are in no cache, so the session keeps every committed position's row: a
     resume that lacks the last verdicts gets the same rows again, and a session rebuilt from
     the history (a server that lost it) computes the same rows by its prefill."""
-    from cloud_server.session import Session
+    from cloud_server.decoding.session import Session
     from shared.draft_q import Proposal
     from shared.messages import ActivationFormat, Limits, OpenRequest, Resume
 

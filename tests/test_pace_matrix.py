@@ -1,4 +1,4 @@
-"""Every way the server decodes (cloud_server/decode_loop.py: lock-step, server pace, auto pace,
+"""Every way the server decodes (cloud_server/decoding/decode_loop.py: lock-step, server pace, auto pace,
 and server-side generation) under every acceptance rule, through the real server and client
 on the tiny target with the MoA drafter (whose rows keep auto from falling back to server
 pace): each text is exactly its reference. Greedy, and top-k or sampled drafts at temperature 0,

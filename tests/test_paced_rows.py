@@ -61,7 +61,7 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
     messages within the message limit, so its first token does not queue behind them on the
     link; the edge's drafter gets every row, in order, and the text is exact. The edge
     acknowledges the rows it holds; with 1 KiB in flight each part waits for that."""
-    from cloud_server import session_streams, stream_buffers
+    from cloud_server.rpc import session_streams, stream_buffers
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
@@ -99,9 +99,9 @@ def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
     now and then, pauses the rows, so the server sends none, and answers the Verdicts only
     now and then (the server's lead is far). Its probes earn nothing, so the rows it missed
     never come; those it got came in order, and the text stays exact."""
-    from cloud_server import session_streams, stream_buffers
-    from cloud_server.client_stream import ClientStream
-    from cloud_server.server_decoding import ServerDecoder
+    from cloud_server.rpc import session_streams, stream_buffers
+    from cloud_server.rpc.client_stream import ClientStream
+    from cloud_server.decoding.server_decoding import ServerDecoder
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
 
@@ -152,8 +152,8 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
     (CARRY_GENERATIONS). The second opens resting (Open.rows_paused): no rows cross the link,
     not even its prompt's, and it drafts only at probes. The third learns the link afresh.
     Every text stays exact."""
-    from cloud_server.server_decoding import ServerDecoder
-    from cloud_server.session_streams import SessionStreams
+    from cloud_server.decoding.server_decoding import ServerDecoder
+    from cloud_server.rpc.session_streams import SessionStreams
     from edge_client import paced_drafts
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
@@ -198,12 +198,12 @@ def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
 def test_rows_an_edge_paused_come_in_one_piece_when_it_asks_again(
         moa_server, tiny_target, tmp_path, monkeypatch):
     """The edge pauses the rows for a stretch of the answer, then asks again. The server
-    computes none meanwhile (cloud_server/activation_rows.py) and the first Verdict after
+    computes none meanwhile (cloud_server/decoding/activation_rows.py) and the first Verdict after
     carries them all, from one call of the server half: the edge's drafter gets every row, in
     order, and the text stays exact. (Computed after each forward, no call would cover more
     than the pending token and the 4 nodes a forward verifies here.)"""
-    from cloud_server.activation_rows import RowKeeper
-    from cloud_server.server_decoding import ServerDecoder
+    from cloud_server.decoding.activation_rows import RowKeeper
+    from cloud_server.decoding.server_decoding import ServerDecoder
     from edge_client.generate import SplitGeneration
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
@@ -240,7 +240,7 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
                                                                 monkeypatch):
     """The stream breaks after the prefill's Verdict, before the prompt's rows that trail it:
     the resume says it holds none (Resume.rows_held) and gets them all again."""
-    from cloud_server import session_streams
+    from cloud_server.rpc import session_streams
 
     monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
     prompt = tuple(range(40, 100))
@@ -275,7 +275,7 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
                                                               monkeypatch):
     """The prompt's rows fill the stream's flow-control window (a slow link does the same) and
     the client has not read them yet: the server still runs its forwards, up to the lead."""
-    from cloud_server.forward_builder import ForwardBuilder
+    from cloud_server.decoding.forward_builder import ForwardBuilder
 
     forwards: list[int] = []  # the committed length each forward started from
     real = ForwardBuilder.stepping
@@ -306,7 +306,7 @@ def test_a_client_that_does_not_read_trailing_rows_gets_them_inside(tiny_target,
                                                                    monkeypatch):
     """An Open without trailing_rows (a client older than them) gets a paced Verdict with its
     rows inside, as in lock-step."""
-    from cloud_server import session_streams
+    from cloud_server.rpc import session_streams
 
     monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
     prompt = tuple(range(40, 100))

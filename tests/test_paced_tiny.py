@@ -1,4 +1,4 @@
-"""Server-paced sessions (cloud_server/pacing.py) on the tiny target: the text is exactly plain
+"""Server-paced sessions (cloud_server/decoding/pacing.py) on the tiny target: the text is exactly plain
 greedy decoding whatever the pace, drafts join the server's forwards, and flow control holds."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.reporting import SilentListener
-from cloud_server.pacing import PacingPolicy
+from cloud_server.decoding.pacing import PacingPolicy
 from shared.drafting.base import DrafterName
 from shared.messages import FinishReason, Limits, Pace
 from netsim import LinkProfile, NetworkConditions, ProxyThread
@@ -86,9 +86,9 @@ def test_lockstep_is_the_rounds_of_old(tiny_server):
 
 def _decoder_after_prefill(tiny_target, own: str | None, prompt: list[int]):
     """A forward builder on the tiny target, the server's own drafter `own`, `prompt` prefilled."""
-    from cloud_server.forward_builder import ForwardBuilder
-    from cloud_server.server_decoding import ServerDecoder, own_drafter
-    from cloud_server.session import Session
+    from cloud_server.decoding.forward_builder import ForwardBuilder
+    from cloud_server.decoding.server_decoding import ServerDecoder, own_drafter
+    from cloud_server.decoding.session import Session
     from shared.messages import OpenRequest
 
     session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(prompt),
@@ -168,7 +168,7 @@ def test_a_verdict_says_when_the_servers_own_candidates_had_the_clients_accepted
         tiny_target, monkeypatch, own_reach, client_reach, redundant):
     """Verdict.draft_redundant: the client's accepted nodes added nothing to what the server's
     own tree alone would have committed in the same forward (a text-only edge then rests)."""
-    from cloud_server.server_decoding import ServerDecoder
+    from cloud_server.decoding.server_decoding import ServerDecoder
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
 

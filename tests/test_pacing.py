@@ -1,11 +1,11 @@
-"""The wait policies' rules (cloud_server/pacing.py): when auto pace waits for the client's
+"""The wait policies' rules (cloud_server/decoding/pacing.py): when auto pace waits for the client's
 answer, what it learns from each forward, and the server's pacing defaults. The loop that asks
 them: test_decode_loop.py."""
 from __future__ import annotations
 
 import pytest
 
-from cloud_server.pacing import LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, PacingPolicy
+from cloud_server.decoding.pacing import LEARNING_FORWARDS, RELEARN_AFTER, AutoPace, PacingPolicy
 from shared.messages import Pace
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_server.server_decoding import decode_in_process
+from cloud_server.decoding.server_decoding import decode_in_process
 from edge_client.drafters.moa import MoaDrafter
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Precision

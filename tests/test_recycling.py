@@ -1,4 +1,4 @@
-"""Token Recycling (cloud_server/recycling.py): trees grown from the target's recycled top-k, the
+"""Token Recycling (cloud_server/decoding/recycling.py): trees grown from the target's recycled top-k, the
 text's followers before the target has spoken, ranks learned from verdicts, and the session
 handing every forward's top-k to the drafter."""
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cloud_server.recycling import RecyclingDrafter
-from cloud_server.session import Session
+from cloud_server.decoding.recycling import RecyclingDrafter
+from cloud_server.decoding.session import Session
 from edge_client.client import ClientOptions
 from shared.draft_q import Proposal
 from shared.messages import Limits, OpenRequest

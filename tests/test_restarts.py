@@ -78,6 +78,6 @@ def test_a_restarted_server_finishes_the_same_text(tiny_model_dir, tmp_path, cle
         server.send_signal(signal.SIGTERM)
         server.wait(30)
     assert result["output_ids"] == clean
-    # A drained server lets the stream run on for 5 s (cloud_server/server.py GRACE_S), which
+    # A drained server lets the stream run on for 5 s (cloud_server/rpc/server.py GRACE_S), which
     # may finish this generation; a killed one never does.
     assert result["reconnects"] >= 1 or stop is signal.SIGTERM

@@ -211,7 +211,7 @@ def test_a_broken_paced_stream_leaves_its_session_running_to_the_lead(isolated_s
     session goes on committing, up to the lead past what the edge acknowledged or to the end,
     so the resume gets those tokens at once instead of running the outage's forwards after it.
     The text stays exact."""
-    from cloud_server.forward_builder import ForwardBuilder
+    from cloud_server.decoding.forward_builder import ForwardBuilder
 
     real = ForwardBuilder.stepping
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from cloud_server.reference import plain_greedy
-from cloud_server.security import Security
+from cloud_server.rpc.security import Security
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import LinkConfig, LinkError
 from edge_client.security import ClientSecurity

@@ -1,4 +1,4 @@
-"""The two streams of a paced session (cloud_server/stream_buffers.py): the Inbox of the client's
+"""The two streams of a paced session (cloud_server/rpc/stream_buffers.py): the Inbox of the client's
 drafts and acknowledgements, and the Outbox that writes Verdicts and their trailing rows under
 flow control."""
 from __future__ import annotations
@@ -8,8 +8,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from cloud_server import stream_buffers
-from cloud_server.stream_buffers import Inbox, Outbox
+from cloud_server.rpc import stream_buffers
+from cloud_server.rpc.stream_buffers import Inbox, Outbox
 from shared import wire
 from shared.errors import OutOfOrder
 from shared.messages import ActivationRows, DraftRequest, FinishReason, Verdict

@@ -3,7 +3,7 @@
 An engine knows nothing of sessions, acceptance rules, pacing or gRPC. A session's model work
 is written as `Work`: a generator that yields the `ForwardJob`s it needs and returns its
 result, so that the batcher can run the jobs of several sessions as one forward while each
-session's logic stays sequential (cloud_server/batching.py). The engines:
+session's logic stays sequential (cloud_server/decoding/batching.py). The engines:
 
 - `transformers_engine.ModulesEngine`: transformers' own modules, any causal LM, eager;
 - `onnx_engine.OnnxEngine`: the GGUF's 4-bit blocks in one onnxruntime graph (CPU, Llama);

@@ -11,7 +11,7 @@ DRAFTERS: dict[DrafterName, type[AdedDrafter] | type[PromptLookupDrafter]] = {
     cls.name: cls for cls in (AdedDrafter, PromptLookupDrafter)}
 # What a server drafts with itself (server-side speculation, its own candidates in paced
 # sessions): these, and Token Recycling, which reads the target's logits
-# (cloud_server/recycling.py).
+# (cloud_server/decoding/recycling.py).
 SERVER_DRAFTERS = tuple(sorted([*DRAFTERS, DrafterName.RECYCLE]))
 
 

@@ -28,7 +28,7 @@ class DrafterName(StrEnum):
     PLD = "pld"
     ADED = "aded"
     # Token Recycling, the server's own only: it drafts from the target's logits, which the
-    # edge never sees (cloud_server/recycling.py)
+    # edge never sees (cloud_server/decoding/recycling.py)
     RECYCLE = "recycle"
 
 

@@ -23,7 +23,7 @@ PRIOR_WEIGHT = 1.0  # pseudo-rounds of the prior, never decayed: untried ranks k
 @dataclass(frozen=True)
 class Load:
     """The last forward pass on the server: the sessions it ran and their new tokens together
-    (batched verification, cloud_server/batching.py)."""
+    (batched verification, cloud_server/decoding/batching.py)."""
 
     sessions: int = 1
     tokens: int = 0

@@ -11,16 +11,16 @@ import asyncio
 import enum
 import logging
 
-from cloud_server.batching import Batcher
-from cloud_server.client_stream import ClientStream
+from cloud_server.decoding.batching import Batcher
+from cloud_server.rpc.client_stream import ClientStream
 from cloud_server.config import ServerConfig
-from cloud_server.decode_loop import DecodeLoop, Forward
-from cloud_server.forward_builder import ForwardBuilder
-from cloud_server.pacing import NeverWait, wait_policy
-from cloud_server.server_decoding import ServerDecoder, own_drafter
-from cloud_server.session import Session
-from cloud_server.session_table import SessionTable
-from cloud_server.stream_buffers import Inbox, Outbox
+from cloud_server.decoding.decode_loop import DecodeLoop, Forward
+from cloud_server.decoding.forward_builder import ForwardBuilder
+from cloud_server.decoding.pacing import NeverWait, wait_policy
+from cloud_server.decoding.server_decoding import ServerDecoder, own_drafter
+from cloud_server.decoding.session import Session
+from cloud_server.decoding.session_table import SessionTable
+from cloud_server.rpc.stream_buffers import Inbox, Outbox
 from shared import wire
 from shared.errors import OutOfOrder, SplitDecodingError
 from shared.messages import CloseRequest, DraftRequest, OpenRequest, Verdict

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from cloud_server.decode_loop import Forwarded
-from cloud_server.server_decoding import ServerDecoder
-from cloud_server.session import Session
+from cloud_server.decoding.decode_loop import Forwarded
+from cloud_server.decoding.server_decoding import ServerDecoder
+from cloud_server.decoding.session import Session
 from cloud_server.engine.interface import Work
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal

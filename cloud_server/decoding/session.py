@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from cloud_server.activation_rows import ActivationSource, RowKeeper
+from cloud_server.decoding.activation_rows import ActivationSource, RowKeeper
 from cloud_server.engine.interface import Work
 from cloud_server.target import TargetModel
 from shared.acceptance import (
@@ -74,7 +74,7 @@ class Session:
 
     def watch_successors(self, k: int, hook: SuccessorsHook) -> None:
         """After every forward, hands `hook` the forward's input tokens and the target's top-k
-        next tokens at each, [inputs, k] best first (Token Recycling, cloud_server/recycling.py)."""
+        next tokens at each, [inputs, k] best first (Token Recycling, cloud_server/decoding/recycling.py)."""
         self._successors = (k, hook)
 
     def _recycle(self, inputs: Sequence[int], logits: torch.Tensor) -> None:

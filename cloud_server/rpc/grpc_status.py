@@ -11,8 +11,8 @@ import logging
 
 import grpc
 
-from cloud_server.client_stream import StreamBroken
-from cloud_server.metrics import Metrics
+from cloud_server.rpc.client_stream import StreamBroken
+from cloud_server.rpc.metrics import Metrics
 from shared.errors import (
     Forbidden, InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
 )

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from cloud_server.session import Session
+from cloud_server.decoding.session import Session
 from shared.errors import Forbidden, Overloaded
 from shared.messages import Limits
 

@@ -12,18 +12,18 @@ import asyncio
 from dataclasses import replace
 from typing import AsyncIterator, Callable, TypeVar
 
-from cloud_server.artifacts import ArtifactStore
-from cloud_server.batching import Batcher
-from cloud_server.client_stream import ClientStream
+from cloud_server.rpc.artifacts import ArtifactStore
+from cloud_server.decoding.batching import Batcher
+from cloud_server.rpc.client_stream import ClientStream
 from cloud_server.config import ServerConfig
-from cloud_server.drafter_serving import ServedDrafter
-from cloud_server.grpc_status import grpc_status, grpc_status_stream
-from cloud_server.metrics import Metrics
+from cloud_server.rpc.drafter_serving import ServedDrafter
+from cloud_server.rpc.grpc_status import grpc_status, grpc_status_stream
+from cloud_server.rpc.metrics import Metrics
 from cloud_server.model_thread import ModelThread
-from cloud_server.security import caller
-from cloud_server.session import Session
-from cloud_server.session_streams import SessionStreams
-from cloud_server.session_table import SessionTable
+from cloud_server.rpc.security import caller
+from cloud_server.decoding.session import Session
+from cloud_server.rpc.session_streams import SessionStreams
+from cloud_server.decoding.session_table import SessionTable
 from cloud_server.target import TargetModel
 from shared import wire
 from shared.errors import InvalidRequest, NotFound, OutOfOrder, SplitDecodingError

@@ -16,7 +16,7 @@ from shared.drafting.base import DrafterName
 from shared.messages import AUTO_LONGEST_WAIT, Pace
 from shared.moving_average import ema
 
-from cloud_server.stream_buffers import Inbox
+from cloud_server.rpc.stream_buffers import Inbox
 
 
 @dataclass(frozen=True)

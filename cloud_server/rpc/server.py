@@ -6,14 +6,14 @@ import sys
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cloud_server.artifacts import ArtifactStore
+from cloud_server.rpc.artifacts import ArtifactStore
 from cloud_server.calibrate import measure_verify_costs
 from cloud_server.config import ServerConfig
-from cloud_server.health_check import SERVICE_NAME
-from cloud_server.drafter_serving import serve_drafter
+from cloud_server.rpc.health_check import SERVICE_NAME
+from cloud_server.rpc.drafter_serving import serve_drafter
 from cloud_server.model_thread import ModelThread
-from cloud_server.security import Security
-from cloud_server.service import SplitDecodingService
+from cloud_server.rpc.security import Security
+from cloud_server.rpc.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared import gc_freeze, keepalive
 from shared.signals import until_stopped

@@ -106,7 +106,7 @@ class Outbox:
     only while none wait and the budget has room; else they join the backlog behind the others,
     so rows arrive in order. A client whose drafts come too late to be used pauses the rows
     (Draft.rows_paused, edge_client/paced_drafts.py): those waiting stay until it wants them
-    again, and the session computes no new ones meanwhile (cloud_server/activation_rows.py):
+    again, and the session computes no new ones meanwhile (cloud_server/decoding/activation_rows.py):
     the first Verdict after carries them. `flush`
     drops the rows still waiting at the end (and wire.trailing cuts a last Verdict's many rows):
     nobody drafts past the end.

@@ -11,7 +11,7 @@ import asyncio
 import grpc
 from google.protobuf.message import DecodeError
 
-from cloud_server.metrics import Metrics
+from cloud_server.rpc.metrics import Metrics
 from shared import wire
 from shared.errors import InvalidRequest, OutOfOrder
 from shared.messages import ClientMessage, Limits, ServerMessage, Verdict

@@ -10,10 +10,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from cloud_server import recycling
-from cloud_server.recycling import RecyclingDrafter
-from cloud_server.activation_rows import ActivationSource
-from cloud_server.session import Session
+from cloud_server.decoding import recycling
+from cloud_server.decoding.recycling import RecyclingDrafter
+from cloud_server.decoding.activation_rows import ActivationSource
+from cloud_server.decoding.session import Session
 from cloud_server.engine.interface import Work
 from cloud_server.target import TargetModel
 from shared.drafting.budget import ALONE, Load, TreeBudget

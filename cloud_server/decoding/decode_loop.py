@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Protocol, Sequence
 
-from cloud_server.pacing import WaitPolicy
-from cloud_server.stream_buffers import Inbox
+from cloud_server.decoding.pacing import WaitPolicy
+from cloud_server.rpc.stream_buffers import Inbox
 from shared.messages import DraftRequest, Verdict
 
 
@@ -36,7 +36,7 @@ Send = Callable[[Verdict], Awaitable[None]]
 
 
 class Decoding(Protocol):
-    """What the loop reads of a session (cloud_server/session.py)."""
+    """What the loop reads of a session (cloud_server/decoding/session.py)."""
 
     @property
     def committed(self) -> Sequence[int]: ...
