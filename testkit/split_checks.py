@@ -11,9 +11,13 @@ from shared.messages import OpenRequest
 
 
 def assert_split_greedy_is_plain(target: Any, address: str, drafter: str, tree_nodes: int,
-                                 prompts: Sequence[Sequence[int]], max_new: int) -> None:
+                                 prompts: Sequence[Sequence[int]], max_new: int, *,
+                                 expect_accepted: bool = True) -> None:
     """Each prompt's split greedy output through the server at `address` is the target's
-    plain greedy output, and some draft was accepted."""
+    plain greedy output (the near-tie rule), and drafts were sent; with `expect_accepted`,
+    some draft was accepted too: right for a drafter that accepts by construction (pld or
+    aded on a repetitive prompt), not for a briefly trained one, whose drafts depend on what
+    it learnt on this CPU's kernels."""
     async def generate() -> list:
         async with EdgeClient(address, ClientOptions(drafter, tree_nodes, max_new)) as client:
             return [await client.generate(OpenRequest(prompt_ids=tuple(p),
@@ -25,4 +29,6 @@ def assert_split_greedy_is_plain(target: Any, address: str, drafter: str, tree_n
         plain = plain_greedy(target, prompt, max_new)
         verdict = compare(target, prompt, result.output_ids, plain)
         assert verdict.lossless, (prompt, verdict, result.output_ids, plain)
-    assert sum(r.accepted_tokens for r in results) > 0, "no draft was ever accepted"
+    assert sum(r.drafted_tokens for r in results) > 0, "no draft was ever sent"
+    if expect_accepted:
+        assert sum(r.accepted_tokens for r in results) > 0, "no draft was ever accepted"

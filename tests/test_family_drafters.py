@@ -115,4 +115,6 @@ def test_split_greedy_with_the_drafter_is_plain_greedy(target, trained, run, stu
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     config = ServerConfig(LIMITS, drafter_dir=trained[run][0] / student)
     with ServerThread(target, config) as server:
-        assert_split_greedy_is_plain(target, server.address, run, 16, PROMPTS, MAX_NEW)
+        # briefly trained: whether it drafts anything right depends on this CPU's kernels
+        assert_split_greedy_is_plain(target, server.address, run, 16, PROMPTS, MAX_NEW,
+                                     expect_accepted=False)

@@ -19,7 +19,7 @@ from cloud_server.moa.export import StepGraph, example_inputs
 from cloud_server.moa.layers import additive_mask
 from cloud_server.moa.model import EdgeHalf
 from cloud_server.moa.weights import WEIGHTS, load_drafter
-from cloud_server.reference import plain_greedy
+from cloud_server.reference import compare, plain_greedy
 from edge_client.drafters.moa import MoaDrafter
 from edge_client.drafters.moa_bundle import load_manifest
 from safetensors.torch import load_file
@@ -130,7 +130,9 @@ def test_split_decoding_with_tli_equals_plain_greedy(tiny_target, tli_dir, tli_b
     server = ServerActivations.load(tli_dir, tiny_target.model)
     drafter = MoaDrafter(tli_bundle, precision=Precision.FP32, max_depth=6, beam=4, branch=4)
     tokens, _ = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
-    assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
+    plain = plain_greedy(tiny_target, PROMPT, 32)
+    verdict = compare(tiny_target, PROMPT, tokens, plain)  # the near-tie rule
+    assert verdict.lossless, (verdict, tokens, plain)
 
 
 def test_a_tli_bundle_is_refused_by_an_edge_that_predates_it(tli_bundle, monkeypatch):
