@@ -33,6 +33,7 @@ from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_ser
                                markdown_table, parse_cores, placement, python_module)
 from benchmarks.reliability import log, prompt_items, server_metrics
 from cloud_server.device import Device, EngineChoice, Precision, Weights
+from shared.messages import Pace
 
 METHODS = ("split", "server-spec", "plain-api")
 SERVERS = {"batched": (), "unbatched": ("--batch-tokens", "0")}
@@ -43,6 +44,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--clients", default="1,2,4,8,16")
     p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--paces", default=Pace.AUTO.value,
+                   help="comma-separated paces split decoding runs at, one method each "
+                        "(lockstep, server, auto)")
+    p.add_argument("--servers", default=",".join(SERVERS),
+                   help="comma-separated server kinds: batched, unbatched")
     p.add_argument("--drafters", default="moa,aded",
                    help="the edge drafters split decoding runs with, one method each")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -68,16 +74,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def _client(spec: dict) -> None:
     """Generates its prompts one after another from the common start; prints one JSON line
-    per answer. Split decoding runs at the edge-client CLI's default pace, auto."""
+    per answer. A split method reads split[@PACE]:DRAFTER; its pace is auto unless named."""
     import asyncio
 
     from edge_client.client import ClientOptions, EdgeClient
     from edge_client.server_only import Mode
-    from shared.messages import ChatMessage, Pace
+    from shared.messages import ChatMessage
 
     mode, _, drafter = spec["method"].partition(":")
+    mode, _, pace = mode.partition("@")
     options = ClientOptions(drafter or "pld", None, spec["max_new_tokens"], mode=Mode(mode),
-                            pace=Pace.AUTO)
+                            pace=Pace(pace or Pace.AUTO.value))
     async with EdgeClient(spec["address"], options) as client:
         await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
         for prompt in spec["prompts"]:
@@ -160,11 +167,13 @@ def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: l
 def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
     counts = [int(n) for n in args.clients.split(",")]
     asked = args.methods.split(",")
-    methods = [f"split:{d}" for d in args.drafters.split(",") if "split" in asked]
+    paces = ["" if p == Pace.AUTO.value else f"@{p}" for p in args.paces.split(",")]
+    methods = [f"split{p}:{d}" for d in args.drafters.split(",") for p in paces
+               if "split" in asked]
     methods += [m for m in asked if m != "split"]
     pool = [row["prompt"] for row in prompt_items(max(counts) * args.per_client)]
     cells, answers_of, differ = [], {}, 0
-    for kind in SERVERS:
+    for kind in args.servers.split(","):
         port = free_port()
         with server(kind, port, max(counts), args) as address:
             for n in counts:

@@ -7,8 +7,8 @@
 #   2. forward time per bucket, transformers against the static engine eager and with graphs
 #      (benchmarks/static_steps.py);
 #   3. the capacity benchmark with 1, 4 and 16 edge clients on the node's other cores (batched
-#      plain API, server-side speculation, split decoding), tokens/s together and inter-token
-#      latency (benchmarks/capacity.py).
+#      plain API, server-side speculation, split decoding at lock-step and auto pace), tokens/s
+#      together and p50/p95 inter-token latency (benchmarks/capacity.py).
 # Tables, plots, logs and a draft LOG entry land in OUT_DIR. `DEVICE=cpu` runs the same steps
 # on the CPU at small sizes (the rehearsal: a GPU then adds only the device). CI never runs it.
 #
@@ -50,6 +50,7 @@ if [ "${CAPACITY:-1}" != 0 ]; then
     cores=$(nproc)
     timeout "${CAPACITY_TIMEOUT_S:-220}" "$py" -m benchmarks.capacity --device "$device" \
         --dtype "${DTYPE:-auto}" --weights fp32 --engine static --clients "$clients" --drafters moa \
+        --paces lockstep,auto --servers batched \
         --per-client "${PER_CLIENT:-1}" --max-new-tokens "$max_new" \
         --start-delay-s "${START_DELAY_S:-8}" --server-cores 0 \
         --client-cores "$(seq -s, 1 $((cores - 1)))" --name "capacity_static_$device" \
