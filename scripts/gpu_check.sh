@@ -41,7 +41,7 @@ tests_rc=${PIPESTATUS[0]}
 
 timeout "${STEPS_TIMEOUT_S:-60}" "$py" -m benchmarks.static_steps --device "$device" \
     --dtype "${DTYPE:-auto}" --sessions "$sessions" --tokens "$tokens" \
-    --name "static_steps_$device" 2>&1 | tee "$out/static_steps.log"
+    --name "gpu_check_steps_$device" 2>&1 | tee "$out/static_steps.log"
 steps_rc=${PIPESTATUS[0]}
 
 capacity_rc=0
@@ -53,12 +53,12 @@ if [ "${CAPACITY:-1}" != 0 ]; then
         --paces lockstep,auto --servers batched \
         --per-client "${PER_CLIENT:-1}" --max-new-tokens "$max_new" \
         --start-delay-s "${START_DELAY_S:-8}" --server-cores 0 \
-        --client-cores "$(seq -s, 1 $((cores - 1)))" --name "capacity_static_$device" \
+        --client-cores "$(seq -s, 1 $((cores - 1)))" --name "gpu_check_capacity_$device" \
         2>&1 | tee "$out/capacity.log"
     capacity_rc=${PIPESTATUS[0]}
 fi
 
-for f in benchmarks/results/static_steps_"$device".* benchmarks/results/capacity_static_"$device".*; do
+for f in benchmarks/results/gpu_check_*_"$device".*; do
     [ -f "$f" ] && cp "$f" "$out/"
 done
 {
@@ -67,9 +67,9 @@ done
     echo "- command: DEVICE=$device scripts/gpu_check.sh OUT_DIR"
     echo "- exits: tests $tests_rc, static_steps $steps_rc, capacity $capacity_rc"
     echo
-    cat "$out/static_steps_$device.md" 2>/dev/null
+    cat "$out/gpu_check_steps_$device.md" 2>/dev/null
     echo
-    cat "$out/capacity_static_$device.md" 2>/dev/null
+    cat "$out/gpu_check_capacity_$device.md" 2>/dev/null
 } > "$out/LOG_entry.md"
 echo "equivalence tests: exit $tests_rc; static_steps: exit $steps_rc; capacity: exit $capacity_rc"
 [ "$tests_rc" -eq 0 ] && [ "$steps_rc" -eq 0 ] && [ "$capacity_rc" -eq 0 ]
