@@ -28,7 +28,6 @@ from cloud_server.engine.cuda_graphs import Replay
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
 from cloud_server.engine.transformers_engine import ModulesEngine
 from cloud_server.target import TargetModel, pick_device, pick_dtype
-from shared.tree import DraftTree
 
 WARM_UP = 3
 
@@ -67,8 +66,7 @@ def time_cell(target: TargetModel, sessions: int, tokens: int, args: argparse.Na
     vocab = target.vocab_size
     prompt = [(7 * i + 11) % vocab for i in range(args.context)]
     caches = [target.prefill(prompt)[0] for _ in range(sessions)]
-    tree = (DraftTree(tuple(t % vocab for t in bushy_tree(tokens - 1).tokens),
-                      bushy_tree(tokens - 1).parents) if tokens > 1 else DraftTree((), ()))
+    tree = bushy_tree(tokens - 1, vocab)
     samples = []
     for _ in range(WARM_UP + args.repeat):
         jobs = [target.tree_job(cache, prompt[-1], tree) for cache in caches]

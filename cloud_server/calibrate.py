@@ -19,9 +19,11 @@ BRANCHING = 4
 EACH_SIZE_UP_TO = 8
 
 
-def bushy_tree(n: int) -> DraftTree:
-    """A tree shaped like a drafter's: up to BRANCHING children per node, breadth first."""
-    return DraftTree(tuple(range(n)), tuple((i - 1) // BRANCHING if i else -1 for i in range(n)))
+def bushy_tree(n: int, vocab: int | None = None) -> DraftTree:
+    """A tree shaped like a drafter's: up to BRANCHING children per node, breadth first; its
+    tokens 0.. n - 1, taken modulo `vocab` when given."""
+    return DraftTree(tuple(i % vocab if vocab else i for i in range(n)),
+                     tuple((i - 1) // BRANCHING if i else -1 for i in range(n)))
 
 
 def tree_sizes(max_nodes: int) -> list[int]:
@@ -42,8 +44,7 @@ def measure_verify_costs(target: TargetModel, max_nodes: int, repeat: int = 3
     prefix = [(7 * i + 11) % vocab for i in range(PREFIX_TOKENS)]
     cache, _ = target.prefill(prefix)
     sizes = tree_sizes(max_nodes)
-    trees = [DraftTree(tuple(t % vocab for t in bushy_tree(n).tokens), bushy_tree(n).parents)
-             for n in sizes]
+    trees = [bushy_tree(n, vocab) for n in sizes]
 
     def run(tree: DraftTree) -> float:
         start = time.perf_counter()

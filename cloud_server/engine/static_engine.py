@@ -44,7 +44,6 @@ class SlotPlan:
 class _Inputs:
     ints: torch.Tensor  # packed (static_llama.pack)
     tree: torch.Tensor  # [S, T, T] bool
-    context: int  # the positions a row must attend over
 
 
 class StaticEngine:
@@ -153,7 +152,7 @@ class StaticEngine:
             tree[b, :n, :n] = np.tri(n, dtype=bool) if job.seen is None else job.seen
         ints = pack(*(torch.from_numpy(a) for a in (ids, pos, write_slot, write_at, read_slot,
                                                      cached)))
-        return _Inputs(ints, torch.from_numpy(tree), shape.context)
+        return _Inputs(ints, torch.from_numpy(tree))
 
     def _hand_out(self, jobs: Sequence[ForwardJob], T: int, final: torch.Tensor,
                   hidden: torch.Tensor | None) -> None:

@@ -210,11 +210,8 @@ def _fused(*modules: Any) -> Linear:
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm: normalized in fp32, scaled in the input's dtype. On CUDA
-    torch's fused rms_norm (fewer kernels in a graph); on the CPU it is no single kernel and
-    costs several times these few ops."""
-    if x.is_cuda:
-        return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+    """transformers' LlamaRMSNorm: normalized in fp32, scaled in the input's dtype (torch's
+    rms_norm is no single kernel on the CPU, and costs several times these few ops)."""
     wide = x.float()
     wide = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
     return weight * wide.to(x.dtype)
