@@ -23,6 +23,7 @@ from typing import Iterator
 
 from edge_client.batch_mode import BadInput, run_batch
 from edge_client.client import DEFAULT_DRAFTER, DEFAULT_PACE, ClientOptions, EdgeClient
+from edge_client.drafter_source import TreeShape
 from edge_client.display import TerminalView
 from edge_client.reporting import GenerationResult
 from edge_client.link import LinkConfig, LinkError
@@ -42,7 +43,7 @@ from shared.sampling import SamplingParams
 EXIT_USAGE, EXIT_LINK = 2, 3
 # What the edge's drafting reads: --mode split only (the baselines draft on the server or not
 # at all); --server-drafter is read by --mode server-spec only.
-SPLIT_ONLY = ("drafter", "activations", "tree_nodes", "pace", "lead", "draft_graphs",
+SPLIT_ONLY = ("drafter", "activations", "tree_nodes", "tree", "pace", "lead", "draft_graphs",
               "race_aware", "no_pipeline")
 
 
@@ -96,7 +97,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "waits; 'lockstep': one forward per draft, the fewest forwards")
     p.add_argument("--lead", type=positive, default=None, metavar="N",
                    help="paced split: tokens the server may commit past what this client has "
-                        "received (default: the server's, 32)")
+                        "received (default: the server's --lead)")
     p.add_argument("--draft-graphs", action="store_true",
                    help="moa: merge a token drafted twice at one depth into one node and send "
                         "each repeated subtree once (GSD draft graphs); off by default, as "
@@ -107,6 +108,12 @@ def add_common(p: argparse.ArgumentParser) -> None:
                         "the race's noise as fitted on the committed text (ERSD); off by "
                         "default, as it costs drafting time for little tau "
                         "(results log, moa_tau_gpu)")
+    p.add_argument("--tree", choices=[t.value for t in TreeShape],
+                   default=TreeShape.DYNAMIC.value,
+                   help="moa, falcon: 'dynamic' (default): EAGLE-2's tree, grown each round by "
+                        "the drafter's confidence; 'designed': the static tree designed for the "
+                        "drafter from its measured ranks (Falcon's CDDT), if its bundle carries "
+                        "one; they tied (results log, drafter_ablation_cddt)")
     p.add_argument("--no-pipeline", action="store_true",
                    help="lockstep: do not draft the next tree while a round is in flight")
     p.add_argument("--tls", action="store_true",
@@ -290,10 +297,6 @@ def unread_flags(args: argparse.Namespace) -> list[str]:
 
 
 def options_from(args: argparse.Namespace) -> ClientOptions:
-    try:
-        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    except ValueError as err:
-        raise BadInput(str(err)) from None
     acceptance = None if args.acceptance is None else AcceptanceMode(args.acceptance)
     if not args.reconnect_timeout >= 0:
         raise BadInput(f"--reconnect-timeout must be >= 0, got {args.reconnect_timeout}")
@@ -301,11 +304,16 @@ def options_from(args: argparse.Namespace) -> ClientOptions:
                         offline_limit=args.offline_limit,
                         reconnect_timeout_s=args.reconnect_timeout,
                         pipeline=not args.no_pipeline)
-    return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens, sampling, acceptance,
-                         tuple(args.stop), policy, ActivationFormat[args.activations.upper()],
-                         Mode(args.mode), Pace(args.pace), args.lead or 0,
-                         draft_graphs=args.draft_graphs, race_aware=args.race_aware,
-                         server_drafter=args.server_drafter)
+    try:  # sampling settings, or a combination of flags, the options refuse
+        sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+        return ClientOptions(DrafterName(args.drafter), args.tree_nodes, args.max_new_tokens,
+                             sampling, acceptance, tuple(args.stop), policy,
+                             ActivationFormat[args.activations.upper()], Mode(args.mode),
+                             Pace(args.pace), args.lead or 0, draft_graphs=args.draft_graphs,
+                             race_aware=args.race_aware, server_drafter=args.server_drafter,
+                             tree=TreeShape(args.tree))
+    except ValueError as err:
+        raise BadInput(str(err)) from None
 
 
 def main(argv: list[str] | None = None) -> int:
