@@ -8,10 +8,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all install proto bench clean train-drafter bench-moa
+.PHONY: demo test test-all install proto bench clean train-drafter bench-moa images
 
 demo: $(STAMP)
-	$(PY) scripts/demo.py
+	PYTHONPATH=. $(PY) scripts/demo.py
 
 test: $(STAMP)
 	$(PY) -m mypy
@@ -51,3 +51,9 @@ train-drafter: $(STAMP)
 
 bench-moa: $(STAMP)
 	$(PY) -m benchmarks.moa_tau --per-set 2
+
+# Opt-in, not in CI: the CPU server and edge images built from a debootstrap'd Debian base with
+# buildah (no registry or daemon needed; as root, it apt-gets the tools), then one prompt
+# answered through them (deploy/images.sh; docs/deploying.md).
+images:
+	deploy/images.sh
