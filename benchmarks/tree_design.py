@@ -1,6 +1,7 @@
 """Designs a trained drafter's static tree (Falcon's Custom-Designed Decoding Tree, designed from
 measurement: edge_client/drafters/static_trees.py) and writes it into the drafter's directory,
-where `moa_tau --drafters LABEL=DIR+cddt` reads it.
+where `moa_tau --drafters LABEL=DIR+cddt` reads it and `cloud-server` puts it in the drafter's
+bundle (`edge-client --tree designed` drafts it).
 
 The calibration decodes held-out prompts of the training sources (never an evaluation prompt,
 never a prompt the drafters of `drafter_ablation` trained on: those are the first --skip)
@@ -8,6 +9,12 @@ split in process, and before every round walks the drafter down the target's own
 the rank of each token among its top-k, given the path above was right.
 
     python -m benchmarks.tree_design --drafter-dir runs/ablation/falcon-2 --max-nodes 64
+
+The committed Falcon drafter trained on the first 12000 training-source prompts, so the design
+committed beside it skips those:
+
+    python -m benchmarks.tree_design --drafter-dir \
+        cloud_server/moa/trained/SmolLM2-135M-Instruct/falcon --skip 12000
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ from typing import Sequence
 from tokenizers import Tokenizer
 
 from shared.drafting.budget import TreeBudget
-from edge_client.drafter_source import drafter_pool, resolve_drafter, sampling_acceptance
+from edge_client.drafter_source import (
+    TRAINED, TreeShape, drafter_pool, resolve_drafter, sampling_acceptance,
+)
 from edge_client.paced_drafts import DraftSpacing
 from edge_client.generate import split_generate
 from edge_client.reporting import GenerationResult, Listener
@@ -52,13 +54,21 @@ class ClientOptions:
     # Off by default: little tau for much drafting time (results log, moa_tau_gpu).
     race_aware: bool = False
     server_drafter: str = SERVER_DRAFTER  # what the server drafts with under mode server-spec
+    # A trained drafter's tree: the dynamic one, or the one designed for it, if its bundle
+    # carries one (drafter_source.TreeShape).
+    tree: TreeShape = TreeShape.DYNAMIC
 
     def __post_init__(self) -> None:
-        # The library's boundary: a caller may name the drafter as text ("pld").
+        # The library's boundary: a caller may name the drafter and the tree as text ("pld").
         object.__setattr__(self, "drafter", DrafterName(self.drafter))
+        object.__setattr__(self, "tree", TreeShape(self.tree))
         if self.drafter is DrafterName.RECYCLE:
             raise ValueError("recycle drafts from the target's logits, so only the server runs "
                              "it: mode server-spec with server_drafter='recycle'")
+        if (self.mode is Mode.SPLIT and self.tree is TreeShape.DESIGNED
+                and self.drafter not in (*TRAINED, DrafterName.AUTO)):
+            raise ValueError(f"{self.drafter} has no designed tree: --tree designed needs a "
+                             "trained drafter (moa, falcon, or auto)")
 
     def open_request(self, prompt_ids: Sequence[int] | None = None,
                      chat: tuple[ChatMessage, ...] | None = None) -> OpenRequest:
@@ -111,10 +121,12 @@ class EdgeClient:
         self.link.draft_graphs = self.options.draft_graphs
         if self.options.mode is Mode.SPLIT:  # else the server drafts, if anyone does
             drafter = resolve_drafter(self.options.drafter, self.info)
-            self.options = replace(self.options, drafter=drafter)
+            # first the pool: it says what the server lacks ('auto' with no trained drafter
+            # and tree designed) before the options would refuse the resolved name
             self._drafters = await drafter_pool(drafter, self.link, self.info,
                                                 self.options.draft_graphs,
-                                                self.options.race_aware)
+                                                self.options.race_aware, self.options.tree)
+            self.options = replace(self.options, drafter=drafter)
             self._spacing = DraftSpacing(reads_rows=self._drafters.needs_activations)
         gc_freeze.freeze_loaded()  # the tokenizer and drafters: no pass walks them again
         return self

@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Callable, Iterator
 
 from shared.drafting import DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName, reads_activations
+from edge_client.drafters import static_trees
 from edge_client.drafters.falcon import FalconDrafter
 from edge_client.drafters.moa import MoaDrafter  # onnxruntime loads only when one is built
-from edge_client.drafters.moa_bundle import bundle_cache_dir, find_bundle, install_bundle
+from edge_client.drafters.moa_bundle import (
+    bundle_cache_dir, find_bundle, install_bundle, load_manifest,
+)
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import FALCON_ARTIFACT, MOA_ARTIFACT
@@ -24,6 +28,15 @@ FALLBACK = DrafterName.PLD  # what 'auto' drafts with when no trained drafter is
 # the drafters that come as a bundle from the server, by the name Info lists it under
 TRAINED = {DrafterName.MOA: (MOA_ARTIFACT, MoaDrafter),
            DrafterName.FALCON: (FALCON_ARTIFACT, FalconDrafter)}
+
+
+class TreeShape(Enum):
+    """A trained drafter's tree: EAGLE-2's dynamic tree, or the static one designed for it and
+    shipped in its bundle (static_trees.py). They tied (results log, `drafter_ablation_cddt`),
+    so the dynamic tree, which follows each round's confidence, is the default."""
+
+    DYNAMIC = "dynamic"
+    DESIGNED = "designed"
 
 
 def offered_drafter(info: ServerInfo) -> tuple[DrafterName, ArtifactInfo] | None:
@@ -80,15 +93,30 @@ class DrafterPool:
 
 
 async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo,
-                       draft_graphs: bool = False, race_aware: bool = False) -> DrafterPool:
+                       draft_graphs: bool = False, race_aware: bool = False,
+                       tree: TreeShape = TreeShape.DYNAMIC) -> DrafterPool:
     """`draft_graphs`: a trained drafter merges repeated tokens into draft graphs (GSD);
-    `race_aware`: under exponential-race it ranks children by the session's race (ERSD)."""
+    `race_aware`: under exponential-race it ranks children by the session's race (ERSD);
+    `tree`: its tree's shape."""
     if name not in TRAINED:
+        if tree is TreeShape.DESIGNED:  # 'auto' found no trained drafter
+            raise LinkError(f"the server ({info.model_id}) offers no trained drafter, and "
+                            f"{name} has no designed tree: use --tree dynamic")
         return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth))
     bundle_dir = await _trained_bundle(name, link, info)
     kind = TRAINED[name][1]
-    first = kind(bundle_dir, merge=draft_graphs, race_aware=race_aware)
+    choices = designed_tree(name, bundle_dir) if tree is TreeShape.DESIGNED else None
+    first = kind(bundle_dir, merge=draft_graphs, race_aware=race_aware, choices=choices)
     return DrafterPool(first.sibling, kept=first)
+
+
+def designed_tree(name: DrafterName, bundle_dir: Path) -> tuple[static_trees.Choice, ...]:
+    """The designed tree the bundle carries; LinkError if it has none (the server decides what
+    its drafter ships with)."""
+    if not load_manifest(bundle_dir).designed_tree:
+        raise LinkError(f"the server's {name} drafter comes without a designed tree: use "
+                        "--tree dynamic, or serve a drafter with one (benchmarks/tree_design.py)")
+    return static_trees.load(bundle_dir)
 
 
 async def _trained_bundle(name: DrafterName, link: ServerLink, info: ServerInfo) -> Path:

@@ -2,7 +2,7 @@
 edge reads (edge_client/drafters/moa_bundle.py, moa.py), named once.
 
 A bundle is one directory: `bundle.json` (the manifest below), the edge half's ONNX graphs in
-one or more precisions, and the target's tokenizer. Each graph keeps its K/V state outside:
+one or more precisions, the target's tokenizer, and the drafter's designed tree when it has one. Each graph keeps its K/V state outside:
 the memory graph turns verified rows into Cross-Attention keys and values, the step graph runs
 drafting queries against those and the Self-Attention cache. The manifest lists every file's
 sha256, so the hash of the manifest names the whole bundle.
@@ -30,6 +30,9 @@ MANIFEST_NAME = "bundle.json"
 MOA_ARTIFACT = "drafter-moa"
 FALCON_ARTIFACT = "drafter-falcon"
 TOKENIZER_NAME = "tokenizer.json"
+# a designed static tree's shape (edge_client/drafters/static_trees.py), in a drafter's directory
+# and its bundle: a file older edges ignore, so no new format
+CHOICES_FILE = "tree_choices.json"
 
 
 class BundleError(ValueError):
@@ -134,6 +137,11 @@ class BundleManifest:
         """Heads of the step graph's K/V state: the Self-Attention's, and as many per target
         layer it runs (StepIO)."""
         return int(self.config["kv_heads"]) * (1 + self.tli_layers)
+
+    @property
+    def designed_tree(self) -> bool:
+        """Whether the bundle carries a designed tree (CHOICES_FILE) for `--tree designed`."""
+        return CHOICES_FILE in self.files
 
     @property
     def artifact(self) -> str:

@@ -12,14 +12,15 @@ from shared.messages import OpenRequest
 
 def assert_split_greedy_is_plain(target: Any, address: str, drafter: str, tree_nodes: int,
                                  prompts: Sequence[Sequence[int]], max_new: int, *,
-                                 expect_accepted: bool = True) -> None:
+                                 expect_accepted: bool = True, **options: Any) -> None:
     """Each prompt's split greedy output through the server at `address` is the target's
     plain greedy output (the near-tie rule), and drafts were sent; with `expect_accepted`,
     some draft was accepted too: right for a drafter that accepts by construction (pld or
     aded on a repetitive prompt), not for a briefly trained one, whose drafts depend on what
-    it learnt on this CPU's kernels."""
+    it learnt on this CPU's kernels. `options`: more ClientOptions (tree="designed")."""
     async def generate() -> list:
-        async with EdgeClient(address, ClientOptions(drafter, tree_nodes, max_new)) as client:
+        async with EdgeClient(address, ClientOptions(drafter, tree_nodes, max_new,
+                                                     **options)) as client:
             return [await client.generate(OpenRequest(prompt_ids=tuple(p),
                                                       max_new_tokens=max_new))
                     for p in prompts]

@@ -230,7 +230,31 @@ def test_opt_in_drafting_flags_reach_the_client_options(flag, option):
     assert not getattr(options_from(parse_args(["--server", "x:1", "hi"])), option)
 
 
+def test_the_tree_flag_reaches_the_client_options_of_every_command():
+    from edge_client.cli import options_from, parse_args
+    from edge_client.drafter_source import TreeShape
+
+    for command in ([], ["run", "--prompts", "a", "--out", "b"], ["serve"]):
+        argv = [*command, "--server", "x:1", "--drafter", "falcon", "--tree", "designed"]
+        assert options_from(parse_args(argv + ["hi"] * (not command))).tree is TreeShape.DESIGNED
+    assert options_from(parse_args(["--server", "x:1", "hi"])).tree is TreeShape.DYNAMIC
+
+
+def test_a_designed_tree_without_a_trained_drafter_is_one_line_and_nonzero_exit(tiny_server):
+    """A training-free drafter is refused before connecting (a usage error); 'auto' against a
+    server that offers no trained drafter, once connected (what the server offers)."""
+    for drafter, code, says in (("pld", 2, "pld has no designed tree"),
+                                ("auto", 3, "offers no trained drafter")):
+        proc = subprocess.run(EDGE + ["--server", tiny_server.address, "--drafter", drafter,
+                                      "--tree", "designed", "hi"],
+                              capture_output=True, text=True, timeout=60)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == code and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("edge-client: error:") and says in lines[0], proc.stderr
+
+
 @pytest.mark.parametrize("argv, unread", [
+    (["--mode", "plain-api", "--tree", "designed"], ["--tree"]),
     (["--mode", "server-spec", "--drafter", "moa", "--pace", "server"], ["--drafter", "--pace"]),
     (["--mode", "plain-api", "--server-drafter", "pld", "--tree-nodes", "8"],
      ["--tree-nodes", "--server-drafter"]),

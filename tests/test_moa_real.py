@@ -1,6 +1,6 @@
 """The committed MoA and Falcon drafters on the real SmolLM2 target: exported, fed in-process
 by the server half, their split greedy output equals plain greedy decoding and they get drafts
-accepted."""
+accepted; Falcon's bundle carries the tree designed for it, and drafting that does too."""
 from __future__ import annotations
 
 import pytest
@@ -22,15 +22,18 @@ def real_target():
     return TargetModel.load(*model_store.resolve("default"), DEVICE)
 
 
-@pytest.mark.parametrize("falcon", [False, True], ids=["moa", "falcon"])
-def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path, falcon):
+@pytest.mark.parametrize("falcon, designed", [(False, False), (True, False), (True, True)],
+                         ids=["moa", "falcon", "falcon-designed"])
+def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path, falcon, designed):
     from cloud_server.moa.activations import ServerActivations
     from cloud_server.moa.bundle import build_bundle
     from cloud_server.moa.weights import committed_drafter
     from cloud_server.reference import compare, plain_greedy
+    from edge_client.drafter_source import designed_tree
     from edge_client.drafters.falcon import FalconDrafter
     from edge_client.drafters.moa import MoaDrafter
     from shared.drafter_bundle import Precision
+    from shared.drafting.base import DrafterName
 
     drafter_dir = committed_drafter(real_target.model_id, falcon)
     if drafter_dir is None:
@@ -38,7 +41,9 @@ def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path, falcon
                     f"{real_target.model_id}")
     bundle = build_bundle(drafter_dir, real_target.model, real_target.model_id, tmp_path)
     server = ServerActivations.load(drafter_dir, real_target.model)
-    drafter = (FalconDrafter if falcon else MoaDrafter)(bundle, precision=Precision.INT8)
+    choices = designed_tree(DrafterName.FALCON, bundle) if designed else None
+    drafter = (FalconDrafter if falcon else MoaDrafter)(bundle, precision=Precision.INT8,
+                                                        choices=choices)
     prompt = real_target.apply_chat_template((ChatMessage("user", PROMPT),))
     tokens, per_round = split_greedy(real_target, server, drafter, prompt, 48, max_nodes=32)
     plain = plain_greedy(real_target, prompt, 48)

@@ -1,17 +1,28 @@
 """Static draft trees designed for the drafter (edge_client/drafters/static_trees.py, Falcon's
-Custom-Designed Decoding Tree): the design from measured ranks, the tree built from a shape, and
-the tiny Falcon drafter drafting its designed tree with split decoding still plain greedy."""
+Custom-Designed Decoding Tree): the design from measured ranks, the tree built from a shape, the
+tiny Falcon drafter drafting its designed tree with split decoding still plain greedy, and the
+design travelling from the server's drafter directory to the edge in the bundle."""
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 import pytest
 
+from cloud_server.config import ServerConfig
 from cloud_server.reference import plain_greedy
-from edge_client.drafters import static_trees
+from edge_client.drafter_source import designed_tree
+from edge_client.drafters import moa, static_trees
 from edge_client.drafters.draft_trees import Candidates
 from edge_client.drafters.falcon import FalconDrafter
+from edge_client.drafters.moa_bundle import find_bundle, load_manifest
+from edge_client.link import LinkError
 from shared.drafter_bundle import Precision
+from shared.drafting.base import DrafterName
+from shared.messages import Limits
+from testkit.split_checks import assert_split_greedy_is_plain
 from tests.in_process import split_greedy
+from tests.server_harness import ServerThread
 from tests.test_falcon import PROMPT, falcon_parts
 
 HITS = np.array([[0.6, 0.2, 0.1], [0.7, 0.1, 0.0], [0.5, 0.3, 0.0]])
@@ -99,3 +110,34 @@ def test_a_tree_is_designed_from_walks_down_the_targets_text(tiny_target, tiny_f
 def test_a_drafter_directory_without_a_design_says_how_to_make_one(tmp_path):
     with pytest.raises(FileNotFoundError, match="design one first"):
         static_trees.load(tmp_path)
+
+
+def test_a_served_design_travels_in_the_bundle_and_is_drafted(tiny_target, tiny_falcon_dir,
+                                                              tmp_path, monkeypatch):
+    """A drafter directory holding a design (benchmarks/tree_design.py wrote it) is served
+    with the design in its bundle; the edge caches it, and with tree='designed' every round's
+    model tree has that shape, the text staying plain greedy's."""
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path / "cache"))
+    drafter_dir = shutil.copytree(tiny_falcon_dir, tmp_path / "falcon")
+    choices = static_trees.design(HITS, 5)
+    static_trees.save(drafter_dir, choices, HITS, walks=4)
+    shapes = []  # the shape each round's model tree was given
+
+    def recorded(first, expand, shape, max_nodes):
+        shapes.append(shape)
+        return static_trees.static_tree(first, expand, shape, max_nodes)
+    monkeypatch.setattr(moa, "static_tree", recorded)
+    limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
+    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=drafter_dir)) as server:
+        assert_split_greedy_is_plain(tiny_target, server.address, "falcon", 16,
+                                     [PROMPT, [1, 60, 61, 62]], 32, expect_accepted=False,
+                                     tree="designed")
+    assert shapes and set(shapes) == {choices}
+    bundle = find_bundle(next((tmp_path / "cache" / "drafters").iterdir()))
+    assert load_manifest(bundle).designed_tree and static_trees.load(bundle) == choices
+
+
+def test_a_bundle_without_a_design_is_refused_in_one_line(tiny_falcon_bundle):
+    assert not load_manifest(tiny_falcon_bundle).designed_tree
+    with pytest.raises(LinkError, match="without a designed tree: use --tree dynamic"):
+        designed_tree(DrafterName.FALCON, tiny_falcon_bundle)

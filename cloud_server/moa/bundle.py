@@ -5,6 +5,7 @@ A directory `moa-<model id>-<sha256[:12]>/` holding
     memory.onnx, step.onnx            fp32 (export.py)
     memory.int8.onnx, step.int8.onnx  dynamic int8 (onnxruntime.quantization)
     tokenizer.json                    the target's tokenizer, when given
+    tree_choices.json                 the drafter's designed tree, when it has one
 The name's hash is the sha256 of bundle.json, which lists every file's sha256, so one hash
 names the whole bundle. `archive` packs it as a deterministic tar (the bytes a fetch sends and
 the sha256 an Info lists); edge_client/drafters/moa_bundle.py unpacks and checks it.
@@ -25,7 +26,7 @@ from cloud_server.moa.export import TOP_K, export_edge, quantize_int8
 from cloud_server.moa.weights import load_drafter
 from shared import progress
 from shared.drafter_bundle import (
-    GRAPH_FILES, MANIFEST_NAME, TOKENIZER_NAME, BundleManifest, Graph, Precision,
+    CHOICES_FILE, GRAPH_FILES, MANIFEST_NAME, TOKENIZER_NAME, BundleManifest, Graph, Precision,
 )
 
 FP32, INT8 = GRAPH_FILES[Precision.FP32], GRAPH_FILES[Precision.INT8]
@@ -55,6 +56,8 @@ def build_bundle(drafter_dir: Path, target: torch.nn.Module, model_id: str, out_
                     (staging / FP32[graph]).unlink()
         if tokenizer_json is not None:
             (staging / TOKENIZER_NAME).write_bytes(tokenizer_json)
+        if (drafter_dir / CHOICES_FILE).is_file():  # benchmarks/tree_design.py wrote it
+            shutil.copyfile(drafter_dir / CHOICES_FILE, staging / CHOICES_FILE)
         files = {p.name: _sha256(p.read_bytes()) for p in sorted(staging.iterdir())}
         manifest = BundleManifest(model_id, top_k, config.to_dict(), files,
                                   {p: GRAPH_FILES[p] for p in Precision if p in precisions})

@@ -2,8 +2,9 @@
 bundle artifact (docs/architecture.md, Drafters).
 
 The bundle (ONNX export + int8 quantization of the edge half with the target's embedding and
-head) is built once per trained drafter and cached under the cache root, keyed by the sha256 of
-the drafter's files and the model id, so a restart serves the same bytes at once.
+head, and the drafter's designed tree if it has one) is built once per trained drafter and
+cached under the cache root, keyed by the sha256 of the drafter's files and the model id, so a
+restart serves the same bytes at once.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from cloud_server.moa.config import MoaConfig
 from cloud_server.moa.weights import CONFIG, WEIGHTS, committed_drafter
 from cloud_server.target import TargetModel
 from shared.cache import cache_root
-from shared.drafter_bundle import MANIFEST_NAME, BundleManifest, Precision
+from shared.drafter_bundle import CHOICES_FILE, MANIFEST_NAME, BundleManifest, Precision
 
 PRECISIONS = (Precision.INT8,)  # what the edge runs by default; fp32 would double the download
 EXPORT_REVISION = 2  # raise when export.py changes what it writes: cached bundles are rebuilt
@@ -58,8 +59,9 @@ def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
                    if config.uses_activations else None)
     key = f"{target.model_id}/{','.join(p.value for p in PRECISIONS)}/{EXPORT_REVISION}"
     digest = hashlib.sha256(key.encode())
-    for name in (WEIGHTS, CONFIG):
-        digest.update((drafter_dir / name).read_bytes())
+    for name in (WEIGHTS, CONFIG, CHOICES_FILE):  # a design added later makes a new bundle
+        if (drafter_dir / name).is_file():
+            digest.update((drafter_dir / name).read_bytes())
     root = cache_root() / "bundles" / digest.hexdigest()[:24]
     built = sorted(root.glob("moa-*")) if root.is_dir() else []
     if not built:

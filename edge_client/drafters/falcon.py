@@ -15,7 +15,8 @@ children are scored differs, and one thing Falcon's tree does: inside a block, w
 cost no step, every node that could still make the cut is expanded, not only the best `beam`.
 Falcon's own Custom-Designed Decoding Tree is a static shape (`choices=`, static_trees.py),
 designed from this drafter's measured ranks rather than tuned by hand for Vicuna; it tied with
-the dynamic tree (results log, `drafter_ablation_cddt`), which stays the default.
+the dynamic tree (results log, `drafter_ablation_cddt`), which stays the default
+(`edge-client --tree designed` drafts the design the bundle carries).
 """
 from __future__ import annotations
 

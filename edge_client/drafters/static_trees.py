@@ -20,12 +20,12 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from edge_client.drafters.draft_trees import Candidates, Expand
+from shared.drafter_bundle import CHOICES_FILE
 from shared.drafting.base import Drafter, ReadsActivations
 from shared.drafting.race import Race
 from shared.tree import ROOT, DraftTree
 
 Choice = tuple[int, ...]
-CHOICES_FILE = "tree_choices.json"  # a drafter directory's designed shape
 
 
 def static_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand,
