@@ -100,8 +100,8 @@ def test_a_paced_session_opened_resting_sends_the_same_rows_once_asked(tiny_targ
                           activations=ActivationFormat.FP16, trailing_rows=True,
                           acks_rows=True, pace=Pace.SERVER)
     limits = Limits(max_tree_nodes=16, max_tree_depth=8)
-    awake = Session(tiny_target, limits, request, source)
-    resting = Session(tiny_target, limits, replace(request, rows_paused=True), source)
+    awake = Session.open(tiny_target, limits, request, source)
+    resting = Session.open(tiny_target, limits, replace(request, rows_paused=True), source)
     sent = [awake.prefill()] + [awake.advance(Proposal(PLAIN)) for _ in range(4)]
     held = [resting.prefill()] + [resting.advance(Proposal(PLAIN)) for _ in range(3)]
     assert all(v.activations is None for v in held)

@@ -92,7 +92,7 @@ def run_together(target, requests: list[OpenRequest], drafter: DrafterName | Non
         most[0] = max(most[0], sessions)
 
     async def one(batcher: Batcher, request: OpenRequest) -> list[int]:
-        session = await batcher.model_thread.run(Session, target, LIMITS, request)
+        session = await batcher.model_thread.run(Session.open, target, LIMITS, request)
         decoder = ServerDecoder(session, own_drafter(drafter, LIMITS), 0, ())
         await batcher.run(decoder.prefilling(), session.id)  # keyed, as the service does
         while not session.finished:
@@ -182,7 +182,7 @@ def test_one_sessions_error_leaves_the_others_running(tiny_target):
     async def go():
         batcher = Batcher(ModelThread(), tiny_target)
         try:
-            session = await batcher.model_thread.run(Session, tiny_target, LIMITS, good)
+            session = await batcher.model_thread.run(Session.open, tiny_target, LIMITS, good)
             results = await asyncio.gather(batcher.run(broken()),
                                            batcher.run(session.prefilling()),
                                            return_exceptions=True)
@@ -254,7 +254,7 @@ def test_sessions_whose_clients_answer_quickly_are_gathered_into_one_forward(tin
         batcher = Batcher(ModelThread(), slow, on_forward=lambda n, _t, _s: sizes.append(n))
         try:
             request = OpenRequest(prompt_ids=tuple(prompts(1)[0]), max_new_tokens=40)
-            sessions = [await batcher.model_thread.run(Session, slow, LIMITS, request)
+            sessions = [await batcher.model_thread.run(Session.open, slow, LIMITS, request)
                         for _ in range(2)]
             first = asyncio.create_task(client(batcher, sessions[0], "a"))
             await asyncio.sleep(0.02)  # out of step from the start

@@ -100,7 +100,8 @@ def test_a_sessions_cache_grows_in_place_on_the_cpu_within_what_admission_counte
     from shared.messages import Limits, OpenRequest
 
     limits = Limits(max_tree_nodes=8, max_tree_depth=4, max_new_tokens=16)
-    session = Session(tiny_target, limits, OpenRequest(prompt_ids=(1, 5, 6, 7), max_new_tokens=16))
+    session = Session.open(tiny_target, limits,
+                           OpenRequest(prompt_ids=(1, 5, 6, 7), max_new_tokens=16))
     session.prefill()
     layers = session._kv.layers
     if tiny_target.device.type != "cpu":  # a host-bound forward there: transformers' own cache

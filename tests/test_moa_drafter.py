@@ -211,7 +211,7 @@ def test_hidden_input_rows_survive_a_resume_and_a_rebuild(tiny_target, tiny_draf
     server = ServerActivations.load(tiny_drafter_dir / "last", tiny_target.model)
     request = OpenRequest(prompt_ids=tuple(PROMPT), max_new_tokens=16,
                           activations=ActivationFormat.FP16)
-    session = Session(tiny_target, Limits(), request, server)
+    session = Session.open(tiny_target, Limits(), request, server)
     sent = {}
     for verdict in [session.prefill()] + [session.advance(Proposal(DraftTree.chain([30, 31])))
                                           for _ in range(3)]:
@@ -221,8 +221,8 @@ def test_hidden_input_rows_survive_a_resume_and_a_rebuild(tiny_target, tiny_draf
     again = session.catch_up(Resume(session.id, generated[:2])).activations
     for i, row in enumerate(again.values):
         np.testing.assert_array_equal(row, sent[again.start + i])
-    rebuilt = Session(tiny_target, Limits(), replace(request, resume=Resume("gone", generated)),
-                      server)
+    rebuilt = Session.open(tiny_target, Limits(),
+                           replace(request, resume=Resume("gone", generated)), server)
     rows = rebuilt.prefill().activations
     assert rows.start == 0
     for position in sorted(sent)[: len(session.committed) - 1]:

@@ -91,8 +91,8 @@ def _decoder_after_prefill(tiny_target, own: str | None, prompt: list[int]):
     from cloud_server.decoding.session import Session
     from shared.messages import OpenRequest
 
-    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(prompt),
-                                                         max_new_tokens=MAX_NEW))
+    session = Session.open(tiny_target, Limits(), OpenRequest(prompt_ids=tuple(prompt),
+                                                              max_new_tokens=MAX_NEW))
     decoder = ForwardBuilder(session, ServerDecoder(session, own_drafter(own, Limits()), 0, ()), ())
     session.prefill()
     return session, decoder

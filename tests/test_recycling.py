@@ -74,7 +74,8 @@ def test_verdicts_teach_which_ranks_are_right() -> None:
 
 def test_the_session_hands_every_forward_its_top_k(tiny_target) -> None:
     """In greedy decoding the top-1 after the pending token is the token committed next."""
-    session = Session(tiny_target, Limits(), OpenRequest(prompt_ids=(5, 6, 7), max_new_tokens=6))
+    session = Session.open(tiny_target, Limits(),
+                           OpenRequest(prompt_ids=(5, 6, 7), max_new_tokens=6))
     seen: list[tuple[list[int], np.ndarray]] = []
     session.watch_successors(3, lambda inputs, top: seen.append((list(inputs), top)))
     session.prefill()

@@ -40,7 +40,7 @@ class ForwardBuilder:
         self.epoch = session.epoch  # a resume after this takes the session over
         # Sizes the merged tree: a stale client draft's nodes cost verify time whether or not
         # they are accepted, and on a CPU server a tree costs clearly more than one token.
-        self._budget = TreeBudget(verify_costs, session.limits.max_tree_nodes)
+        self._budget = TreeBudget(verify_costs, session.spec.limits.max_tree_nodes)
         self._precedence = Precedence()
 
     def stepping(self, draft: DraftRequest | None, queued_at: float
@@ -58,7 +58,7 @@ class ForwardBuilder:
             if not self.names_own:
                 verdict = replace(verdict, accepted_nodes=())
             return Forwarded(verdict, len(verdict.tokens))
-        if not self.own.drafts or self.session.acceptance is AcceptanceMode.SAMPLED_DRAFTS:
+        if not self.own.drafts or self.session.spec.acceptance is AcceptanceMode.SAMPLED_DRAFTS:
             # Any tree is lossless under the other rules; a sampled one must stay as drawn.
             verdict = yield from self.session.advancing(client.proposal, queued_at,
                                                         draft.round_id)
@@ -66,7 +66,7 @@ class ForwardBuilder:
         client_tree, own_tree = client.proposal.tree, self.own.propose(context).tree
         first, second = ((own_tree, client_tree) if self._precedence.own_first()
                          else (client_tree, own_tree))
-        tree = first.merged(second, self.session.limits.max_tree_nodes)
+        tree = first.merged(second, self.session.spec.limits.max_tree_nodes)
         tree = tree.prefix(self._budget.nodes(self.own.load()))
         verdict = yield from self.session.advancing(Proposal(tree), queued_at, draft.round_id,
                                                     names_nodes=False)

@@ -52,7 +52,7 @@ class ServerDecoder:
                  verify_costs: tuple[tuple[int, float], ...],
                  load: Callable[[], Load] = lambda: ALONE):
         """`load`: what the server's last forward ran, which sizes trees under batching."""
-        limits = session.limits
+        limits = session.spec.limits
         if tree_nodes > limits.max_tree_nodes:
             raise InvalidRequest(f"tree_nodes {tree_nodes} is over the server's limit "
                                  f"{limits.max_tree_nodes}")
@@ -65,8 +65,8 @@ class ServerDecoder:
             session.watch_successors(drafter.top_k, drafter.recycle)
         if self._drafter is not None:
             self._drafter.reset(session.committed)
-            self._drafter.follow_race(Race.of(session.acceptance, session.seed,
-                                              session.sampling))
+            self._drafter.follow_race(Race.of(session.spec.acceptance, session.spec.seed,
+                                              session.spec.sampling))
 
     def prefilling(self) -> Work[Verdict]:
         verdict = yield from self.session.prefilling()
@@ -95,10 +95,10 @@ class ServerDecoder:
             return Proposal(PLAIN)
         start = time.perf_counter()
         nodes = self._budget.nodes(self.load())
-        if self.session.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
+        if self.session.spec.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
             proposal = Proposal(self._drafter.propose(context, nodes))
         else:
-            rng = round_rng(self.session.seed, RngStream.DRAFT, len(context))
+            rng = round_rng(self.session.spec.seed, RngStream.DRAFT, len(context))
             proposal = self._drafter.propose_sampled(context, nodes, rng)
         self.draft_s += time.perf_counter() - start
         return proposal
@@ -134,7 +134,7 @@ def decode_in_process(target: TargetModel, request: OpenRequest, drafter: Drafte
     (None: plain decoding), the drafter fed the server half's activations when it reads them."""
     if reads_activations(drafter):
         request = replace(request, activations=ActivationFormat.FP16)
-    session = Session(target, limits, request, activations)
+    session = Session.open(target, limits, request, activations)
     decoder = ServerDecoder(session, drafter, tree_nodes, ())
     verdicts = [target.drive(decoder.prefilling())]
     while not session.finished:

@@ -138,7 +138,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
                                                 reads_rows=request.activations is not None)
         request = replace(request, pace=pace, lead=lead)
         source = None if self.drafter is None else self.drafter.activations
-        session = await self._on_model(Session, self.target, self.config.limits, request,
+        session = await self._on_model(Session.open, self.target, self.config.limits, request,
                                         source)
         self.sessions.add(session, owner, session.kv_bytes, by)
         how = "new" if request.resume is None else "rebuilt"

@@ -75,8 +75,8 @@ class SessionStreams:
         outbox = self._outbox(stream, session)
         outbox.held(0, paused)
         reader = asyncio.create_task(self._fill(session, stream, owner, inbox, outbox))
-        loop = DecodeLoop(session, inbox, wait_policy(session.pace),
-                          self._forward(builder, session.id), outbox.send, session.lead,
+        loop = DecodeLoop(session, inbox, wait_policy(session.spec.pace),
+                          self._forward(builder, session.id), outbox.send, session.spec.lead,
                           lambda: self.sessions.owns(session, owner),
                           lambda: self.config.pacing.load_wait and self.batcher.pending > 0)
         try:
@@ -139,7 +139,7 @@ class SessionStreams:
         if session.finished or not session.paced:
             return
         loop = DecodeLoop(session, Inbox(acked, fed=False), NeverWait(),
-                          self._forward(builder, None), _nobody, session.lead,
+                          self._forward(builder, None), _nobody, session.spec.lead,
                           lambda: self.sessions.owns(session, None))
         task = asyncio.get_running_loop().create_task(loop.run())
         self._alone.add(task)
@@ -186,9 +186,9 @@ class SessionStreams:
         (stream_buffers.py, Outbox). In lock-step the client drafts from the rows next, so
         they stay inside (ClientStream.send), as they do for a client that does not read
         trailing rows."""
-        if not session.trailing_rows or not session.paced:
+        if not session.spec.trailing_rows or not session.paced:
             return Outbox(stream.send)
-        acked = session.acks_rows
+        acked = session.spec.acks_rows
         largest = self.config.limits.max_message_bytes // 2
         part = min(ROWS_PART_BYTES, largest) if acked else largest
         return Outbox(stream.send,
