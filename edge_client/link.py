@@ -66,10 +66,9 @@ def channel_options(config: LinkConfig, bulk: bool = False) -> list[tuple[str, i
         *_common_options(config),
         *keepalive.client_options(),
         # A ping's answer queues behind the data in flight, which BDP probing lets grow to
-        # megabytes: a long prompt's MoA activations (600 KB) then held it past the 1 s ping
-        # timeout on 3G, and the session never got through (measured with netsim). The fixed
-        # 64 KB window keeps the queue under 0.3 s there; it costs 13% (4G) to 34% (satellite)
-        # of the first token's time for such a prompt, and nothing on a LAN.
+        # megabytes: a long prompt's MoA activations then held it past the ping timeout on
+        # 3G. The fixed 64 KB window keeps that queue short, at some cost to such a prompt's
+        # first token on slow links only (results log, `pacing_notes`).
         ("grpc.http2.bdp_probe", 0),
         # After a drop, the channel redials quickly instead of grpc's default 1 s to 120 s
         # backoff; the client's own reconnect loop (offline.py) paces the attempts. Leave

@@ -35,30 +35,21 @@ class DraftSpacing:
     """Whether the edge drafts at a chance (a Verdict when a draft is due), and whether it wants
     the server's activation rows meanwhile.
 
-    Where the link is slow the server commits past every draft before a forward can use it
-    (measured on `3g` and `satellite`: in 516 forwards no MoA draft got a token accepted). Each
-    draft then only costs the edge CPU, and the rows it drafts from cost the downlink about
-    1 KB a token, ahead of the Verdicts; resting cut both (results log, `latency_rested`). So
-    after PATIENCE drafts that the server overtook unused on a link too slow for the server
-    to wait for a draft (their first nodes were right, and a faster link would
-    have had them accepted; a draft wrong from its first node says nothing of the link) the
-    edge rests: it lets FIRST_REST chances pass, doubling with every probe overtaken too up
-    to MAX_REST, then probes with a draft from what it holds. A rest ends only when a draft
-    gets a node accepted; a probe that earns nothing starts the next rest. All the while the
-    edge wants no rows (Draft.rows_paused; they wait on the server, cloud_server/decoding/pacing.py)
-    and answers only now and then (DraftFollower.needless). Before, each probe took the rows
-    again until it was overtaken: on `3g` that let 65-130 KB of missed rows a 64-token answer
-    onto the link, and the Verdicts queued behind them.
+    Where the link is slow the server commits past every draft before a forward can use it;
+    each draft then only costs the edge CPU, and its rows cost the downlink ahead of the
+    Verdicts (results log, `latency_rested`). So after PATIENCE drafts that the server
+    overtook unused on a link too slow for it to wait (their first nodes were right: a draft
+    wrong from its first node says nothing of the link) the edge rests: it lets FIRST_REST
+    chances pass, doubling with every probe overtaken too up to MAX_REST, then probes with a
+    draft from what it holds. Only a draft that gets a node accepted ends the rest. Meanwhile
+    the edge wants no rows (Draft.rows_paused; they wait on the server) and answers only now
+    and then (DraftFollower.needless), probes included (`latency_verdict_first`).
 
     An edge whose drafter reads the text alone (`reads_rows` False: prompt lookup, ADED) also
     rests after PATIENCE drafts in a row that added nothing: wrong, or redundant with the
-    server's own candidates, which read the same text (Verdict.draft_redundant). With prompt
-    lookup on the edge and Token Recycling with lookup nodes on the server, its drafts made
-    0.54 messages a token on `lan` and saved 2 of 515 forwards
-    (`benchmarks/results/latency_text_only_pld.md`); resting so, 0.12, at the same forwards a
-    token as server-side speculation (`latency_redundant_pld.md`). Its rest ends only when a
-    draft adds tokens the server's candidates lacked. A drafter fed the server's rows keeps
-    drafting: what it adds comes from the rows, and resting would pause them.
+    server's own candidates, which read the same text (Verdict.draft_redundant;
+    `latency_carry_backoff`). A drafter fed the server's rows keeps drafting: what it adds
+    comes from the rows, and resting would pause them.
     """
 
     def __init__(self, reads_rows: bool = True, rests: bool = True) -> None:
@@ -73,24 +64,15 @@ class DraftSpacing:
         self._paid = False  # a draft earned in this generation
 
     def carried(self, outpaced: bool, rtt_s: float) -> "DraftSpacing":
-        """The spacing the next generation on the same link starts with: resting where this
-        one rests, none of its drafts earned and the link is `outpaced` (its round trip is
-        longer than the server's forward: GenerationResult.link_outpaced). On `lan` a
-        generation whose server did well on its own candidates can end so too, with no draft
-        earned: carried there, the rest cost the next generations the edge's drafts. Carried,
-        the rest is as long as this one's next, so the generation opens with the rows paused
-        (Open.rows_paused) and its probes draft from no rows (MoA then offers its prompt-lookup
-        nodes alone). Measured on `4g` with the server on one core, a generation that learned
-        the link again (the prompt's rows, three drafts overtaken, an answer to every Verdict
-        until then) cost the server 0.5 ms of CPU a token. After CARRY_GENERATIONS carried
-        generations the next learns the link afresh, so a server or a text that lets drafts
-        pay is noticed; each such generation that rests again unpaid doubles the run (up to
-        MAX_CARRY): on `3g` and `satellite` one in five generations learned again, each
-        taking 66-90 KB of rows down the link and up to 2.7% longer than server-side
-        speculation, and none earned. A link whose round trip (`rtt_s`, measured at the
-        generation's Open) fell below FASTER_LINK of the one the rest was learned under is
-        learned afresh at once. (Asking for all the rows at a probe cost more than learning: on
-        `3g` they took the rest of the answer to arrive, ahead of the Verdicts.)"""
+        """The spacing the next generation on the same link starts with: resting, its rows
+        paused from the Open (Open.rows_paused), where this one rests with no draft earned and
+        the link is `outpaced` (its round trip is longer than the server's forward:
+        GenerationResult.link_outpaced), since learning the link again costs the server CPU
+        and the link the prompt's rows (results log, `latency_carried_rest`). Every
+        CARRY_GENERATIONS carried generations the next learns afresh, so a server or text that
+        lets drafts pay is noticed; each that rests again unpaid doubles the run up to
+        MAX_CARRY, and a round trip (`rtt_s`, measured at the Open) below FASTER_LINK of the
+        one the rest was learned under ends it at once (`latency_carry_backoff`)."""
         spacing = DraftSpacing(self.reads_rows)
         if not outpaced or not self._resting or self._paid:
             return spacing
@@ -117,15 +99,9 @@ class DraftSpacing:
         longest wait auto pace gives an answer, GenerationResult.link_slow), the server chose
         not to wait for the draft (server pace, or auto while it judged a wait not worth it):
         that says nothing of the link, so a drafter fed the server's rows does not rest from
-        it and its drafts stay there for the server's auto pace to measure again
-        (cloud_server/decoding/pacing.py, AutoPace). Measured on a loopback link before: on 2 of 4
-        prompts auto stopped waiting after three forwards in which the server's own candidates
-        did as well as the draft, the edge rested three drafts later, and the rest of the
-        answer ran at 0.67-0.72 forwards a token against lock-step's 0.52-0.61. (With the line
-        drawn at a whole forward instead, on `5g` the edge kept drafting where auto can never
-        wait: 60% more drafting time and 13% more bytes a token than in the run before, for
-        11% of the text against 7%.) A drafter that reads the text alone rests from it still:
-        the server's own lookup had those tokens."""
+        it and its drafts stay there for auto pace to measure again (results log,
+        `latency_relearn`). A drafter that reads the text alone rests from it still: the
+        server's own lookup had those tokens."""
         if link_slow or not self.reads_rows:
             self._not_paid()
 
@@ -215,10 +191,7 @@ class DraftFollower:
         rest, need not go: nobody waits for it (the server said so, `awaited`:
         Verdict.answer_awaited, or it knows the edge rests: Draft.rows_paused) and the server
         is far from its `lead`. Each answer costs the server's event loop a read on the core
-        its forwards run on; measured on `4g`, answering every Verdict of a resting edge kept
-        split decoding a few percent below server-side speculation, with the same forwards
-        per token; and a prompt-lookup edge's answers to every Verdict cost the server 0.45 ms
-        of CPU a token (0.8%)."""
+        its forwards run on (results log, `latency_verdict_first`, `latency_awaited`)."""
         last = self._last_sent
         if (len(draft.tree) or last is None or lead <= 0
                 or draft.base_length - last.base_length >= lead // ACKS_PER_LEAD):

@@ -1,14 +1,13 @@
 """Keeps the cyclic garbage collector's full passes off the token path.
 
-CPython's collector walks every tracked object in a full (generation 2) pass, and a process
-that has loaded torch and transformers holds about 375,000 of them: one pass took 190-260 ms
-here, all of it on the interpreter lock. Such a pass comes every few hundred generations, at
-whatever allocation crosses the threshold, and stalls whatever runs then: the server's forward
-and its Verdicts, the edge's drafting and its clock. Measured over a `4g` latency run: a 264 ms
-pause in the server and two of 120 ms in the edge process, each inside one generation of
-about 2 s. The loaded objects (modules, weights' wrappers, the tokenizer, ONNX sessions) live
-as long as the process, so they are moved out of the collector's reach once loading is done
-(gc.freeze); later passes walk only what serving allocates, and take a few milliseconds.
+CPython's collector walks every tracked object in a full (generation 2) pass, and a process that
+has loaded torch and transformers holds hundreds of thousands of them, all walked under the
+interpreter lock. Such a pass comes every few hundred generations and stalls whatever runs then
+for a few hundred milliseconds: the server's forward and its Verdicts, the edge's drafting and
+its clock (results log, `latency_lazy_rows`). The loaded objects (modules, weights' wrappers,
+the tokenizer, ONNX sessions) live as long as the process, so they are moved out of the
+collector's reach once loading is done (gc.freeze); later passes walk only what serving
+allocates, and take a few milliseconds.
 """
 from __future__ import annotations
 

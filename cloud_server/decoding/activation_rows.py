@@ -5,10 +5,10 @@ forward verified into one row per cache position. An edge whose drafts come too 
 used rests and pauses the rows (Draft.rows_paused, edge_client/paced_drafts.py); on a link slower
 than the server's forward it opens the next generation resting (Open.rows_paused) and may want
 none at all. The rows of such a time are computed once the edge asks for them again, in one
-call from what the forwards kept, and never if it does not: computed after every forward they
-took 0.27 ms, 1.3-2.0% of a SmolLM2-135M decoding step on this CPU (the server half's weights
-are cold after the forward), and a paced session whose edge rests is otherwise exactly
-server-side speculation. Runs on the model thread; knows nothing of gRPC.
+call from what the forwards kept, and never if it does not: computed after every forward
+they cost a measurable share of a decoding step (results log, `latency_lazy_rows`), and a
+paced session whose edge rests is otherwise exactly server-side speculation. Runs on the
+model thread; knows nothing of gRPC.
 """
 from __future__ import annotations
 

@@ -154,12 +154,12 @@ class Batcher:
         """Waits a little for the sessions due back to hand in their work.
 
         A session's next work comes some time after its last ended (a client drafts on each
-        Verdict, a round trip away), and a forward started the moment the first session is
-        back leaves the others for the forward after: measured with 8 loopback clients, 3
-        sessions per forward, and 2 clients fell into step, each forward running one. The
-        batcher learns each session's turnaround and waits, at most a fraction of a forward,
-        for those expected back by then. One that misses it (its client stopped reading, its
-        link slowed) is not waited for again until it is back, so it holds no one up twice."""
+        Verdict, a round trip away), and a forward started the moment the first session is back
+        leaves the others for the forward after, so few sessions share a forward (results log,
+        `capacity`). The batcher learns each session's turnaround and waits, at most a fraction
+        of a forward, for those expected back by then. One that misses it (its client stopped
+        reading, its link slowed) is not waited for again until it is back, so it holds no one
+        up twice."""
         now = time.monotonic()
         deadline = now + GATHER_SHARE * self._last_s
         for key in [k for k, r in self._rhythms.items()

@@ -86,10 +86,9 @@ class Precedence:
     """Whose nodes go first in a merged tree, the client's or the server's own: the nodes that
     go second are the ones the tree budget cuts. By default the client's, so a draft the edge
     spent its time on is verified whole; once the server's own trees follow more of the
-    committed text in the same forwards, the server's. Measured on `lan` with prompt lookup
-    on the edge: drafts that were wrong from their first node took the budget from the
-    server's candidates, and forwards with a fresh draft committed 1.8 tokens where the
-    server's tree alone would have committed 2.3. The comparison favours the order in use:
+    committed text in the same forwards, the server's: drafts wrong from their first node
+    would otherwise take the budget from the server's candidates (results log,
+    `latency_paired`). The comparison favours the order in use:
     the committed tokens end where the verified tree ends, and the budget cuts the tree that
     goes second, so that tree can at best tie, and a tie keeps the order."""
 

@@ -27,9 +27,9 @@ class PacingPolicy:
     whether `auto` waits longer for client drafts while other sessions have work queued."""
 
     pace: Pace = Pace.LOCKSTEP
-    # Covers the client's acknowledgements queued behind a prompt's rows on a slow link (on
-    # `3g`, a 160-token prompt's rows took 0.7 s while the server ran 40 tokens/s); a dead
-    # link costs at most this many tokens of forwards, and they are kept for a resume.
+    # Covers the client's acknowledgements queued behind a prompt's rows on a slow link
+    # (results log, `pacing_notes`); a dead link costs at most this many tokens of forwards,
+    # and they are kept for a resume.
     lead: int = 128
     max_lead: int = 256
     # Token Recycling: it drafts best of the server's own drafters (results log, `recycle_tau`)
@@ -42,12 +42,9 @@ class PacingPolicy:
         `reads_rows`: the client drafts from the server's activation rows (MoA, Falcon).
 
         Auto waits only for such a client: a drafter that reads the text alone (prompt
-        lookup, ADED) learns nothing from a Verdict but its tokens, and its last draft,
-        re-rooted along them, continues as a fresh one would. Measured with prompt lookup on
-        the edge (12 prompts a link, six links, `benchmarks/results/latency_awaited_pld.md`):
-        auto's waits made no fewer forwards a token than server pace on any link (0.70-0.71
-        both) and cost up to 2.5% of the token rate (`wifi`: 0.979x server-spec, server pace
-        1.004x). So its auto is server pace, and Opened says so."""
+        lookup, ADED) learns nothing from a Verdict but its tokens, so waiting for its draft
+        saved no forwards and cost token rate (results log, `latency_rotated`). Its auto is
+        server pace, and Opened says so."""
         pace = pace or self.pace
         if pace is Pace.AUTO and not reads_rows:
             pace = Pace.SERVER
@@ -56,10 +53,9 @@ class PacingPolicy:
 
 EMA_WEIGHT = 0.2  # AutoPace's running means: about the last five forwards (or replies) count
 LOADED_WAIT_STEPS = 4  # AutoPace under load: the longest wait for a client's answer, in steps
-# AutoPace alone: the share of its token rate a session gives up to make fewer forwards. A
-# forward is the node's capacity even when no other session waits for it (measured on `lan`,
-# two A/B runs of 12 prompts: 0.10 made 4% fewer forwards a token at 1.7% more tokens/s; a
-# full benchmark run after it showed no change, within the ~5% that ratio moves between runs)
+# AutoPace alone: the share of its token rate a session gives up to make fewer forwards, since
+# a forward is the node's capacity even when no other session waits for it (results log,
+# `latency_thrift`)
 FORWARD_THRIFT = 0.1
 # AutoPace: forwards after the client's answer it measures before it trusts gain_client. Until
 # then it waits (within half a step) for an answer due in time, to learn what drafts are worth
@@ -68,9 +64,8 @@ LEARNING_FORWARDS = 3
 # drafts again where its own candidates fell off; doubles each time, so a text on which they
 # never pay costs a few learning waits, not one in every few forwards
 RELEARN_AFTER = 8
-# ... and where they commit at most this share of what they did in the learning forwards: a
-# forward's tokens at MoA's pace over loopback were 1.8 +- 1.0, so their running mean (weight
-# 0.2) moves by about a fifth of itself on its own
+# ... and where they commit at most this share of what they did in the learning forwards:
+# clear of the running mean's own noise (results log, `latency_relearn`)
 FELL_OFF = 0.75
 
 
@@ -126,52 +121,27 @@ def wait_policy(pace: Pace) -> WaitPolicy:
 class AutoPace(WaitPolicy):
     """When to wait for the client's answer to the latest Verdict before the next forward.
 
-    A forward after the client's answer (a fresh draft, or none) commits `gain_client` tokens
-    on average in `client_step_s`; without the answer it would have committed `gain_alone`
-    (what the server's own tree follows of the same forwards' tokens), and one before the
-    answer takes `step_s` (the merged tree of a fresh draft is larger, and on a CPU server a
-    larger tree costs clearly more). Waiting w for the draft pays when
-    gain_client / (w + client_step_s) > t * gain_alone / step_s, i.e.
-    w < gain_client * step_s / (t * gain_alone) - client_step_s, where
-    t = 1 - min(FORWARD_THRIFT, 1 - gain_alone / gain_client): a wait that costs the session a
-    little of its token rate still saves the node a forward, but never more of the rate than
-    the share of forwards it saves. gain_alone is measured in the same forwards rather than
-    taken from the forwards without a draft (`gain_server`, used until it is measured): the
-    forwards a draft comes for are not a fair sample (a prompt-lookup edge drafts where the
-    text repeats, where the server's own candidates do well too). All are measured per session;
-    a session waits for nothing before it has measured how long the client takes to answer
-    (before, it waited half a step a forward for the first round trip: 1.2 s on `satellite`),
-    and only for an answer that comes in time reliably (`wait_s`). The wait is capped at half a
-    step: a wait that times out is pure loss, and the estimates are noisy (measured here: with a
-    cap of four steps, auto on `4g` fell below lock-step, waiting for replies that came just too
-    late). So auto behaves like lock-step where the client answers in time and its drafts pay,
-    and like server pace where they cannot.
+    A forward after the answer commits `gain_client` tokens in `client_step_s`; one before it
+    `gain_alone` (what the server's own tree follows of those same forwards' tokens) in
+    `step_s`. Waiting w pays when gain_client / (w + client_step_s) > t * gain_alone / step_s,
+    with t = 1 - min(FORWARD_THRIFT, 1 - gain_alone / gain_client): a wait may cost the session
+    a little token rate to save the node a forward, never more than the share it saves
+    (results log, `latency_thrift`). gain_alone comes from the same forwards, since those a
+    draft comes for are not a fair sample (`latency_paired`); `gain_server` stands in until
+    it is measured. The wait is capped at half a step, and only an answer that comes in time
+    reliably is waited for (`wait_s`; `latency_autopace`). So auto behaves like lock-step
+    where the client answers in time and its drafts pay, and like server pace where not.
 
-    Under load (other sessions' work on the model) a forward is the scarce resource: waiting
-    costs the other sessions nothing, since the model runs their work meanwhile, and a forward
-    with the client's draft commits more per forward. So a busy server waits for an answer due
-    within LOADED_WAIT_STEPS steps. A client that rests from drafting (Draft.rows_paused)
-    answers only now and then, and is not waited for.
+    Under load a forward is the scarce resource and waiting costs the other sessions nothing,
+    so a busy server waits for an answer due within LOADED_WAIT_STEPS steps. A resting client
+    (Draft.rows_paused) answers only now and then and is never waited for.
 
-    Where auto stopped waiting and the server's own candidates then commit clearly less
-    than in the forwards it learned from, it learns again (`_measured_elsewhere`), at most
-    once per RELEARN_AFTER forwards, doubling.
-
-    Until LEARNING_FORWARDS forwards after an answer are measured, gain_client is a prior,
-    and auto waits up to half a step for an answer due in time, to measure it. Before, where
-    the server's own candidates did well (gain_server 1.6-2.0 on code and lists), the prior
-    said no wait from the first forward: the edge's drafts were overtaken unused, the edge
-    rested (edge_client/paced_drafts.py), and auto waits for no resting edge, so its drafts were
-    never measured. On `lan` 4 of 12 sessions ran so, at server pace; with the learning
-    forwards 1-2 of 12 in two runs (the rest is the server's own candidates doing as well).
-    Those waits are paid only once the client has sent a draft with nodes (`drafted`): an
-    answer that only acknowledges (prompt lookup on the edge with no match in the text)
-    teaches nothing. Measured on `wifi` with prompt lookup on the edge: three learning waits
-    cost 60 ms of a 2-4 s generation, and auto ran at 0.976x server-spec against server pace's
-    1.006x. Waiting to learn only once a draft that came late had added a token to a forward
-    was worse: MoA's first drafts were overtaken unused, the edge rested as above, and on
-    `lan` auto made 1.16x lock-step's forwards per token (1.06x before). (Since then an edge
-    with a text-only drafter such as prompt lookup gets server pace: `PacingPolicy.resolve`.)
+    Until LEARNING_FORWARDS forwards after an answer are measured, gain_client is a prior, and
+    auto waits up to half a step for an answer due in time, to measure it (`latency_thrift`),
+    but only once the client has sent a draft with nodes (`drafted`; `latency_awaited`). Where
+    auto stopped waiting and the server's own candidates then commit clearly less than in the
+    forwards it learned from, it learns again (`_measured_elsewhere`), at most once per
+    RELEARN_AFTER forwards, doubling (`latency_relearn`).
     """
 
     step_s: float | None = None  # a forward before the client's answer
@@ -211,9 +181,8 @@ class AutoPace(WaitPolicy):
         tokens without it."""
         step = self.step_s or 0.03
         # The share of its token rate the session gives up is at most the share of forwards
-        # the wait saves: for drafts that add next to nothing, none (measured on `lan` with
-        # prompt lookup on the edge: a flat 10% had auto wait 4 ms a forward, 5% of the
-        # generation, for drafts that added 0.01 tokens a forward)
+        # the wait saves: for drafts that add next to nothing, none (results log,
+        # `latency_paired`)
         saved = 1 - alone / self.gain_client
         if saved <= 0:
             return 0.0
@@ -252,8 +221,7 @@ class AutoPace(WaitPolicy):
         if sent is None or self.reply_s is None:  # no evidence the answer comes in time
             return 0.0
         # An answer that comes within the allowance only on average is waited for in vain
-        # half the time (measured on `wifi`, answers at 30 ms +- 5 against a 30 ms allowance:
-        # auto 1.08x the plain API, server pace 1.17x): wait for one that comes reliably.
+        # half the time: wait for one that comes reliably (results log, `latency_autopace`).
         late = sent + self.reply_s + 2 * self.reply_spread_s - now
         return max(0.0, late) if late <= allowance else 0.0
 
@@ -277,17 +245,13 @@ class AutoPace(WaitPolicy):
                   ) -> None:
         """A forward committed `tokens` in `step_s`, `alone` of them the server's own
         candidates would have (None: unknown); `fresh`: it ran after the client's answer to
-        the latest Verdict. An answer without a draft counts as a draft that added nothing:
-        waiting for it did not pay (a prompt-lookup edge with no match answers so; counted
-        only when a draft came, auto on `wifi` never finished learning and waited half a
-        step before every forward of such a generation, 15% of it)."""
+        the latest Verdict. An answer without a draft counts as a draft that added nothing,
+        so auto finishes learning from an edge with no match to draft (results log,
+        `latency_paired`)."""
         if fresh:
-            # The first measurement replaces the prior: drawn towards it, the mean of a few
-            # drafts that added nothing still said 1.2 tokens to the server's 1.0 (the prior
-            # 2.0 at 0.8 ** 7), and auto waited for prompt-lookup drafts for that. The
-            # measurements are averaged evenly until the running mean's weight takes over:
-            # weighted 0.2 from the second, the first counted 64% of what the learning
-            # forwards decided.
+            # The first measurement replaces the prior, and the learning forwards count
+            # evenly until the running mean's weight takes over, so a few drafts that added
+            # nothing read as such (results log, `latency_paired`, `latency_awaited`).
             prior = None if self.fresh_forwards == 0 else self.gain_client
             self.fresh_forwards += 1
             weight = max(EMA_WEIGHT, 1 / self.fresh_forwards)
@@ -307,11 +271,8 @@ class AutoPace(WaitPolicy):
         """Whether what keeps auto from waiting was measured on text unlike the present: it
         set the client's drafts against the `gain_alone` the server's own candidates
         committed in the learning forwards, but those now commit `gain_server`, few enough
-        that a wait for an answer due in time would pay. Then the next forwards learn again.
-        Measured on a loopback link before: learning forwards on a stretch the server's
-        lookup and recycled candidates followed (code, a list) said drafts added 0-0.3
-        tokens, auto never waited again, and the server's own candidates then committed
-        1.1-1.4 tokens a forward where the drafts, in lock-step, brought 1.9."""
+        that a wait for an answer due in time would pay. Then the next forwards learn again
+        (results log, `latency_relearn`)."""
         return (self.fresh_forwards >= LEARNING_FORWARDS
                 and self.since_fresh >= self.relearn_after
                 and self.gain_server <= FELL_OFF * self.without_draft()

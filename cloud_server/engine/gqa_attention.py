@@ -4,9 +4,8 @@ With a mask, transformers' sdpa attention repeats each key and value head for th
 that share it (`repeat_kv`) before calling torch's kernel, unless the query is one token: a
 copy of the whole cache, per layer, per forward. A tree verification always has a mask, so
 every speculative forward paid it, and a batched one paid it per session. torch's kernel takes
-the grouping itself (`enable_gqa`), and on the CPU gives the same bits: measured for trees of
-5-17 tokens over 250-1,000 cached positions, equal to the repeated version, and 20-60% faster
-(SmolLM2-135M has 9 query heads on 3 key-value heads). A one-token query keeps transformers'
+the grouping itself (`enable_gqa`), and on the CPU gives the same bits, faster (results log,
+`grouped_attention`). A one-token query keeps transformers'
 own path, which regroups the query instead and differs from `enable_gqa` by rounding (1e-7):
 a plain decoding step stays exactly what it was.
 """

@@ -82,10 +82,9 @@ class Inbox:
 # Serialized and handed to gRPC, its write completed, before the next forward starts, as a
 # server-only generation's is: neither the serializing nor the completion (gRPC's poller thread
 # and then the event loop waking) takes the interpreter lock and the core from the forward.
-# Measured (results log, `latency_s27_moa`): with the write completed first a paced
-# session's time per forward is level with server-spec's, where a write completed during the
-# forward had cost it about 1%. A link that does not take the Verdict within this holds
-# nothing back: the outbox then writes it alone.
+# So a paced session's time per forward is level with server-spec's (results log,
+# `latency_s27_moa`). A link that does not take the Verdict within this holds nothing back:
+# the outbox then writes it alone.
 HAND_OFF_S = 0.005
 
 
@@ -102,12 +101,12 @@ class Outbox:
     Verdict goes before the rows waiting: a Verdict then queues behind at most that much on the
     link. Without it, a prompt's rows filled the client's 64 KB HTTP/2 window
     (edge_client/link.py) and the Verdicts behind them waited a round trip for the window to
-    reopen: on `satellite` tokens 2-24 came 0.6 s late. A Verdict's own few rows go inside it
-    only while none wait and the budget has room; else they join the backlog behind the others,
-    so rows arrive in order. A client whose drafts come too late to be used pauses the rows
+    reopen (results log, `latency_packed`). A Verdict's own few rows go inside it only while
+    none wait and the budget has room; else they join the backlog behind the others, so rows
+    arrive in order. A client whose drafts come too late to be used pauses the rows
     (Draft.rows_paused, edge_client/paced_drafts.py): those waiting stay until it wants them
-    again, and the session computes no new ones meanwhile (cloud_server/decoding/activation_rows.py):
-    the first Verdict after carries them. `flush`
+    again, and the session computes no new ones meanwhile
+    (cloud_server/decoding/activation_rows.py): the first Verdict after carries them. `flush`
     drops the rows still waiting at the end (and wire.trailing cuts a last Verdict's many rows):
     nobody drafts past the end.
     """
