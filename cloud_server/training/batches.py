@@ -18,6 +18,9 @@ class Batch:
     attention: torch.Tensor  # [batch, T], 1 on real tokens
     select: torch.Tensor  # [batch, T] bool: positions whose next token is an answer token
     prompt_lens: list[int]
+    # the samples' stored layer outputs [batch, T, L, width], zeros past each sample's end;
+    # None unless every sample carries them (data.Sample.features)
+    features: torch.Tensor | None = None
 
 
 def rank_vocab(samples: list[Sample], size: int, keep: tuple[int, ...],
@@ -65,4 +68,17 @@ def collate(samples: list[Sample], pad: int, max_len: int, device: torch.device)
     # Position i predicts token i + 1; the server itself gives the answer's first token, so the
     # drafter's job starts at the first answer position (boundaries.py).
     select = (positions >= prompt) & (positions < lengths - 1)  # [b, T]
-    return Batch(ids, (positions < lengths).long(), select, prompt[:, 0].tolist())
+    return Batch(ids, (positions < lengths).long(), select, prompt[:, 0].tolist(),
+                 _features(samples, width, max_len, device))
+
+
+def _features(samples: list[Sample], width: int, max_len: int,
+              device: torch.device) -> torch.Tensor | None:
+    """The samples' features cut to `max_len` and padded to `width` positions."""
+    if not samples or any(s.features is None for s in samples):
+        return None
+    rows = [s.features[:max_len] for s in samples if s.features is not None]
+    padded = torch.zeros((len(rows), width, *rows[0].shape[1:]), dtype=rows[0].dtype)
+    for b, row in enumerate(rows):
+        padded[b, :len(row)] = row
+    return padded.to(device)

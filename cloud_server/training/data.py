@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -29,6 +29,9 @@ SORT_WINDOW = 1024  # prompts answered in windows sorted by length (generate_ans
 class Sample:
     prompt_ids: tuple[int, ...]  # chat-templated prompt, ends where the answer starts
     answer_ids: tuple[int, ...]  # the target's greedy answer, stop token included if reached
+    # the target's captured layer outputs at every position, [len(prompt + answer), L, width],
+    # where the answers came with them (engine_answers.py; None: the trainer runs the target)
+    features: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 def encode_prompts(target: TargetModel, prompts: list[str],

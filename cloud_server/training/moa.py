@@ -41,6 +41,7 @@ from shared import progress
 from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
 from cloud_server.training.boundaries import causal_mask, cross_mask
 from cloud_server.training.distill import distill_loss
+from cloud_server.training.features import covers, stored_teacher
 from cloud_server.training.sar import block_loss
 from cloud_server.training.settings import TrainSettings
 from cloud_server.training.unroll import unrolled
@@ -188,9 +189,12 @@ class Trainer:
 
     def __init__(self, target: torch.nn.Module, samples: list[Sample], settings: TrainSettings,
                  out: Path, stop_ids: tuple[int, ...],
-                 variants: list[tuple[str, MoaConfig]] | None = None) -> None:
+                 variants: list[tuple[str, MoaConfig]] | None = None,
+                 feature_layers: tuple[int, ...] = ()) -> None:
         """`variants`: (name, config) of each student, the first named "" (written to `out`);
-        by default the students `settings` asks for (`settings_variants`)."""
+        by default the students `settings` asks for (`settings_variants`). `feature_layers`:
+        the decoder layers the samples' stored features hold (features.py); where they give
+        every student what it reads, no batch runs the target."""
         self.target, self.samples, self.settings, self.out = target, samples, settings, out
         self.pad = stop_ids[0]
         self.device = next(target.parameters()).device
@@ -204,6 +208,8 @@ class Trainer:
             vocab_ids = rank_vocab(samples, self.config.draft_vocab, stop_ids,
                                    self.config.vocab_size)
         self.students = [self._student(name, config, vocab_ids) for name, config in variants]
+        self.feature_layers = feature_layers if covers(feature_layers, [c for _, c in variants]) \
+            else ()
         params = [p for student in self.students for p in student.parameters()]
         self.optimizer = torch.optim.AdamW(params, lr=settings.lr, weight_decay=0.0)
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -249,7 +255,10 @@ class Trainer:
         return self._epochs[epoch]
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        teacher_pass = teacher(self.target, batch, [s.config for s in self.students])
+        if self.feature_layers and batch.features is not None:
+            teacher_pass = stored_teacher(self.target, batch, self.feature_layers)
+        else:
+            teacher_pass = teacher(self.target, batch, [s.config for s in self.students])
         length = batch.ids.shape[1]
         ca = cross_mask(batch.prompt_lens, length, self.generator).to(self.device)
         sa = causal_mask(length).to(self.device)
