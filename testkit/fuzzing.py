@@ -203,7 +203,7 @@ class Healthy(threading.Thread):
                         if err.code != "resource_exhausted":
                             raise
                         self.refused += 1
-                        await asyncio.sleep(0.5)
+                        await asyncio.sleep(0.5)  # the backoff the refusal asks of a client
                         continue
                     self.outputs.append(result.output_ids)
         asyncio.run(generations())

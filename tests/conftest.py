@@ -48,6 +48,17 @@ def isolated_server(tiny_target):
         yield server
 
 
+@pytest.fixture(scope="module")
+def moa_server(tiny_target, tiny_drafter_dir):
+    """A tiny server offering the MoA drafter (testkit/moa_runs.py's limits)."""
+    from cloud_server.config import ServerConfig
+    from testkit.moa_runs import LIMITS
+    from tests.server_harness import ServerThread
+
+    with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
+        yield server
+
+
 @pytest.fixture(scope="session")
 def real_q4_target():
     """The real SmolLM2 in the server's default CPU engine (4-bit), shared by the real-model

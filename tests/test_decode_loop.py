@@ -19,9 +19,10 @@ from shared.messages import DraftRequest, Pace, Verdict
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 from shared.tree import DraftTree
-from tests.test_server_errors import BASE, CLOSE, draft_msg, open_msg, run_stream
+from testkit.raw_stream import BASE, CLOSE, draft_msg, open_msg, run_stream
+from testkit.waiting import until
 
-TREE = DraftTree((7,), (-1,))
+TREE = DraftTree.chain([7])
 
 
 async def run_paced(committed: Callable[[], int], finished: Callable[[], bool], inbox: Inbox,
@@ -101,10 +102,10 @@ def test_a_link_that_does_not_take_a_verdict_holds_no_forward_back():
         outbox = Outbox(write)
         loop = asyncio.create_task(run_paced(lambda: committed[0], lambda: not owned[0], inbox,
                                              forward, outbox.send, Pace.SERVER, lead=4))
-        await asyncio.sleep(0.05)
+        await until(lambda: committed[0] >= 14, 10, "the forwards to reach the lead")
         ran_while_blocked = committed[0]
         link_free.set()
-        await asyncio.sleep(0.05)
+        await outbox.flush()
         owned[0] = False  # a resume on another stream took the session
         inbox.put(DraftRequest(1, 14, DraftTree((), ())), committed=14)
         await asyncio.wait_for(loop, 1)

@@ -16,6 +16,7 @@ from edge_client.offline import LinkPolicy, OfflinePolicy
 from shared.messages import Limits, Pace
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from testkit.cli_harness import free_port
+from testkit.waiting import Progress
 from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
@@ -41,7 +42,7 @@ async def generate_with_outages(address: str, proxy: ProxyThread,
         task = asyncio.create_task(client.generate(
             client.options.open_request(prompt_ids=PROMPT)))
         began = asyncio.get_running_loop().time()
-        for start, duration in outages:
+        for start, duration in outages:  # the scripted moments under test, not waits
             await asyncio.sleep(max(0.0, began + start - asyncio.get_running_loop().time()))
             proxy.start_outage(duration)
         return await asyncio.wait_for(task, 60)
@@ -122,11 +123,12 @@ def test_server_restart_rebuilds_the_session_from_history(tiny_target):
         first = ServerThread(tiny_target, ServerConfig(limits), port).__enter__()
         with ProxyThread(first.address, slow_link(OutageMode.CUT)) as proxy:
             async with EdgeClient(proxy.address, options(), LINK) as client:
+                progress = Progress()
                 task = asyncio.create_task(client.generate(
-                    client.options.open_request(prompt_ids=PROMPT)))
-                await asyncio.sleep(0.5)
+                    client.options.open_request(prompt_ids=PROMPT), progress))
+                await progress.reached(2)  # the prefill's token and a round's: mid-generation
                 await asyncio.to_thread(first.__exit__, None, None, None)
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.5)  # the outage under test: down a while, not a wait
                 with ServerThread(tiny_target, ServerConfig(limits), port):
                     return await asyncio.wait_for(task, 60)
 

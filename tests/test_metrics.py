@@ -2,23 +2,14 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
-
-from prometheus_client.parser import text_string_to_metric_families
 
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.reporting import SilentListener
 from edge_client.link import LinkError
 from shared.messages import Pace
+from testkit.waiting import scrape
 
 PROMPT = (5, 6, 7, 8, 5, 6, 7) * 3
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Every sample, named with its labels: {'splitdec_forwards_total': 12.0, ...}."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {s.name + "".join(f"[{v}]" for v in s.labels.values()): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 class ScrapeMidway(SilentListener):

@@ -23,27 +23,10 @@ from shared.messages import (
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from shared.sampling import SamplingParams
 from cloud_server.config import ServerConfig
+from testkit.moa_runs import LIMITS, MAX_NEW, PROMPTS, run
 from testkit.oracle_drafters import SupportOracle, TargetCopy, TwinBranchOracle
+from testkit.waiting import Progress
 from tests.server_harness import ServerThread
-
-PROMPTS = [(1, 46, 47, 48, 49), (1, 52, 53, 54, 55), (1, 60, 61, 62)]
-MAX_NEW = 32
-LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
-
-
-@pytest.fixture(scope="module")
-def moa_server(tiny_target, tiny_drafter_dir):
-    with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
-        yield server
-
-
-def run(address: str, options: ClientOptions, prompts=PROMPTS):
-    async def go():
-        async with EdgeClient(address, options) as client:
-            return [await client.generate(client.options.open_request(prompt_ids=p))
-                    for p in prompts]
-    return asyncio.run(go())
-
 
 @pytest.fixture(scope="module")
 def target_copy(tiny_model_dir) -> TargetCopy:
@@ -189,9 +172,10 @@ def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path,
 
     async def go(proxy: ProxyThread):
         async with EdgeClient(proxy.address, ClientOptions("moa", 1, MAX_NEW)) as client:
-            task = asyncio.create_task(
-                client.generate(OpenRequest(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW)))
-            await asyncio.sleep(0.3)
+            progress = Progress()
+            task = asyncio.create_task(client.generate(
+                OpenRequest(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW), progress))
+            await progress.reached(2)  # the prefill's token and a round's: mid-generation
             proxy.start_outage(1.0)
             return await asyncio.wait_for(task, 60)
 

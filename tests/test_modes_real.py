@@ -10,10 +10,10 @@ import pytest
 
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.reporting import SilentListener
 from edge_client.server_only import Mode
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
 from shared.messages import ChatMessage, OpenRequest
+from testkit.waiting import Progress
 
 CHAT = (ChatMessage("user", "Explain in two sentences why the sky is blue."),)
 MAX_NEW = 32
@@ -33,14 +33,6 @@ def test_a_baseline_mode_writes_the_plain_greedy_text(real_q4_target, real_q4_se
     assert result.output_ids == plain_greedy(real_q4_target, result.prompt_ids, MAX_NEW)
 
 
-class _FirstTokens(SilentListener):
-    def __init__(self) -> None:
-        self.seen = asyncio.Event()
-
-    def committed(self, ids: list[int]) -> None:
-        self.seen.set()
-
-
 def test_split_decoding_across_a_cut_link_writes_the_plain_greedy_text(real_q4_target, real_q4_server):
     """A cut a moment after the answer starts: the edge drafts offline, reconnects, resumes,
     has its offline text checked, and ends with exactly the engine's plain greedy answer."""
@@ -50,10 +42,10 @@ def test_split_decoding_across_a_cut_link_writes_the_plain_greedy_text(real_q4_t
     async def go(proxy: ProxyThread):
         options = ClientOptions("pld", None, MAX_NEW)
         async with EdgeClient(proxy.address, options) as client:
-            first = _FirstTokens()
+            progress = Progress()
             task = asyncio.create_task(
-                client.generate(OpenRequest(chat=CHAT, max_new_tokens=MAX_NEW), first))
-            await first.seen.wait()
+                client.generate(OpenRequest(chat=CHAT, max_new_tokens=MAX_NEW), progress))
+            await progress.reached(1)
             proxy.start_outage(1.0)
             return await asyncio.wait_for(task, 120)
 

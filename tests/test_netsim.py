@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -27,6 +27,7 @@ from netsim import (
     PROFILES, LinkProfile, NetworkConditions, Outage, OutageMode, ProxyThread, parse_conditions,
 )
 from netsim.conditions import MIN_RTO_S, outage_windows, parse_address
+from testkit.waiting import wait_until
 
 LOOPBACK = "127.0.0.1"
 RECORD = struct.Struct("!Id")  # index, monotonic send time
@@ -112,13 +113,6 @@ def _round_trip_ms(sock: socket.socket, payload: bytes = b"x" * 100) -> float:
     sock.sendall(payload)
     assert _recv_exactly(sock, len(payload)) == payload
     return (time.monotonic() - start) * 1000
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.005)
 
 
 def _not_early(measured: float, expected: float, early: float) -> bool:
@@ -209,8 +203,8 @@ def test_each_direction_has_its_own_delay(echo: str, stamper: str):
     with ProxyThread(stamper, conditions) as proxy, _connect(proxy.address) as sock:
         for i in range(16):
             sock.sendall(RECORD.pack(i, time.monotonic()))
-            time.sleep(0.01)
-        _wait_for(lambda: len(_Stamper.latencies) == 16)
+            time.sleep(0.01)  # apart: each message delayed on its own
+        wait_until(lambda: len(_Stamper.latencies) == 16, 5, "16 messages stamped")
     up_ms = [s * 1000 for s in _Stamper.latencies[1:]]  # the first paid the handshake
     assert _not_early(min(up_ms), 20, early=1), up_ms
     assert _not_early(min(rtts), 80, early=1), rtts
@@ -220,12 +214,12 @@ def test_jitter_stays_within_its_bounds(stamper: str):
     conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=20, jitter_ms=10), seed=1)
     with ProxyThread(stamper, conditions) as proxy, _connect(proxy.address) as sock:
         sock.sendall(RECORD.pack(0, time.monotonic()))  # handshake
-        _wait_for(lambda: len(_Stamper.latencies) == 1)
+        wait_until(lambda: len(_Stamper.latencies) == 1, 5, "the handshake stamped")
         # 30 ms apart, more than the jitter's whole range, so no message waits for another.
         for i in range(1, 31):
             sock.sendall(RECORD.pack(i, time.monotonic()))
             time.sleep(0.03)
-        _wait_for(lambda: len(_Stamper.latencies) == 31)
+        wait_until(lambda: len(_Stamper.latencies) == 31, 5, "31 messages stamped")
     one_way_ms = sorted(s * 1000 for s in _Stamper.latencies[1:])
     assert _not_early(one_way_ms[0], 20 - 10, early=1), one_way_ms
 
@@ -319,7 +313,7 @@ def test_cut_resets_connections_and_refuses_new_ones_until_it_ends(echo: str):
         assert proxy.in_outage
         with pytest.raises(ConnectionRefusedError):
             _connect(proxy.address)
-        _wait_for(lambda: not proxy.in_outage)
+        wait_until(lambda: not proxy.in_outage, 5, "the outage over")
         with _connect(proxy.address) as sock:
             _round_trip_ms(sock)
         assert proxy.stats().outages == 1
@@ -331,7 +325,7 @@ def test_blackhole_stalls_everything_then_delivers_what_it_held(echo: str):
     with ProxyThread(echo, conditions) as proxy:
         with _connect(proxy.address) as old:
             _round_trip_ms(old)
-            _wait_for(lambda: proxy.in_outage)
+            wait_until(lambda: proxy.in_outage, 5, "the outage begun")
             old.sendall(b"held")
             with _connect(proxy.address, timeout=0.3) as new:  # accepted, then stalled
                 new.sendall(b"late")

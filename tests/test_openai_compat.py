@@ -3,7 +3,6 @@ driven by the official `openai` client (streaming and not), errors in OpenAI's s
 that drops mid-answer."""
 from __future__ import annotations
 
-import asyncio
 import random
 
 import aiohttp
@@ -12,14 +11,14 @@ import pytest
 
 from cloud_server.reference import plain_greedy
 from edge_client.client import ClientOptions
-from edge_client.link import LinkConfig
 from edge_client.offline import LinkPolicy, OfflinePolicy
 from edge_client.openai_compat.requests import ApiError, Kind, parse_chat, parse_completion
-from edge_client.openai_compat.serving import Capacity, running_endpoint
 from edge_client.openai_compat.stop_text import StopTrimmer
 from netsim import LinkProfile, NetworkConditions, ProxyThread
 from shared.messages import ChatMessage, Pace
 from shared.sampling import SamplingParams
+from testkit.openai_endpoint import serve_and, streamed
+from testkit.waiting import until
 
 DEFAULTS = ClientOptions("pld", None, 64, SamplingParams(0.0), stop_strings=("END",))
 PROMPT = [5, 6, 7, 8, 5, 6, 7] * 3
@@ -91,30 +90,6 @@ def test_streamed_stop_trimming_equals_trimming_the_whole_text(seed):
     sent += trimmer.finish()
     cuts = [k for k in (text.find(s) for s in stops) if k >= 0]
     assert sent == text[:min(cuts, default=len(text))]
-
-
-# The endpoint on the tiny model: one-node trees, so a generation takes a round per token.
-OPTIONS = ClientOptions("pld", 1, 48, link_policy=LinkPolicy(reconnect_timeout_s=20.0),
-                        pace=Pace.LOCKSTEP)
-LINK = LinkConfig(connect_timeout_s=3.0, resume_timeout_s=1.5, round_timeout_s=10.0)
-
-
-def serve_and(address: str, scenario, options: ClientOptions = OPTIONS,
-              capacity: Capacity = Capacity()):
-    """Runs `scenario(openai_client, base_url, edge_client)` against a running endpoint."""
-    async def run():
-        async with running_endpoint(address, options, "127.0.0.1", 0, LINK,
-                                    capacity) as (edge, port):
-            base = f"http://127.0.0.1:{port}/v1"
-            api = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
-            return await scenario(api, base, edge)
-    return asyncio.run(run())
-
-
-async def streamed(api: openai.AsyncOpenAI, **kwargs):
-    stream = await api.completions.create(stream=True, **kwargs)
-    chunks = [c async for c in stream]
-    return "".join(c.choices[0].text for c in chunks if c.choices), chunks
 
 
 def test_completions_equal_plain_greedy_streamed_or_not(tiny_server, tiny_target):
@@ -195,12 +170,18 @@ def test_a_dropped_link_never_streams_unverified_text(isolated_server):
         return ClientOptions("pld", 1, 48, pace=Pace.LOCKSTEP, link_policy=LinkPolicy(
             offline=policy, reconnect_timeout_s=1.0, backoff_max_s=0.3, offline_limit=24))
 
+    def generated() -> float:
+        metrics = isolated_server.service.metrics.registry
+        return metrics.get_sample_value("splitdec_tokens_generated_total") or 0
+
     async def cut_after_first_text(api, proxy, **extra):
+        before = generated()
         stream = await api.completions.create(model=None, prompt=PROMPT, max_tokens=48,
                                               stream=True, stream_options={"include_usage": True},
                                               **extra)
         chunks = [await anext(stream)]  # sent as the generation starts
-        await asyncio.sleep(0.5)  # the prompt is in, some rounds are done
+        # the text comes whole at the end (the tiny model's tokens are bytes of no character)
+        await until(lambda: generated() >= before + 8, 30, "some rounds done")
         proxy.start_outage(60)
         chunks += [c async for c in stream]
         return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-2:]

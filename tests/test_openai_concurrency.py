@@ -18,8 +18,9 @@ from edge_client.openai_compat.serving import Capacity
 from netsim import LinkProfile, NetworkConditions, ProxyThread
 from shared.messages import Limits, Pace
 from cloud_server.config import ServerConfig
+from testkit.openai_endpoint import serve_and, streamed
+from testkit.waiting import until
 from tests.server_harness import ServerThread
-from tests.test_openai_compat import serve_and, streamed
 
 PROMPTS = [[5 + i, 6, 7, 8, 5 + i, 6, 7, 9 + 2 * i] * 3 for i in range(6)]
 MAX_NEW = 32
@@ -120,9 +121,10 @@ def test_a_client_that_hangs_up_frees_its_generation_and_server_session(tiny_tar
     async def scenario(server, api):
         stream = await api.completions.create(model=None, prompt=PROMPTS[0], max_tokens=48,
                                               stream=True)
-        await until(lambda: len(server.service.sessions) == 1)
+        await until(lambda: len(server.service.sessions) == 1, 20, "the server's session")
         await stream.response.aclose()
-        await until(lambda: len(server.service.sessions) == 0)
+        await until(lambda: len(server.service.sessions) == 0, 20,
+                    "the hung-up generation's session closed")
         return await until_admitted(api)
 
     with ServerThread(tiny_target, ServerConfig(LIMITS)) as server:
@@ -130,14 +132,6 @@ def test_a_client_that_hangs_up_frees_its_generation_and_server_session(tiny_tar
             after = serve_and(proxy.address, lambda api, base, edge: scenario(server, api),
                               options, Capacity(max_concurrent=1, max_queue=0))
     assert after.usage.completion_tokens == 2
-
-
-async def until(condition, timeout_s: float = 20.0) -> None:
-    """Polls `condition` until it holds; fails the test past `timeout_s` (never a hang)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition never held"
-        await asyncio.sleep(0.05)
 
 
 async def until_admitted(api: openai.AsyncOpenAI, timeout_s: float = 20.0):

@@ -15,8 +15,8 @@ from edge_client.server_only import Mode
 from shared.acceptance import AcceptanceMode
 from shared.messages import Pace
 from shared.sampling import SamplingParams
-from tests.test_moa_split import moa_server, run  # noqa: F401 (a fixture)
-from tests.test_split_sampling_tiny import race_reference
+from testkit.moa_runs import run
+from testkit.race_decoding import race_reference
 
 PROMPTS = [(1, 46, 47, 48, 49), (1, 60, 61, 62)]
 MAX_NEW = 24

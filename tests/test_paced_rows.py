@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from cloud_server.config import ServerConfig
+from cloud_server.decoding.session import Session
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions
 from edge_client.drafters.moa import MoaDrafter
@@ -19,8 +20,9 @@ from netsim import LinkProfile, NetworkConditions, ProxyThread
 from shared.messages import (
     ActivationFormat, ActivationRows, FinishReason, Limits, OpenRequest, Pace, Resume, Verdict,
 )
+from testkit.moa_runs import LIMITS, MAX_NEW, PROMPTS, run
+from testkit.waiting import until, until_let_go
 from tests.server_harness import ServerThread
-from tests.test_moa_split import LIMITS, MAX_NEW, PROMPTS, moa_server, run  # noqa: F401
 
 
 def test_activations_past_the_message_limit_arrive_in_parts(tiny_target, tiny_drafter_dir,
@@ -247,14 +249,14 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
                           activations=ActivationFormat.FP16, lead=1, trailing_rows=True)
 
-    async def go(address: str) -> tuple[Verdict, list[ActivationRows]]:
-        async with ServerLink(address) as link:
+    async def go(server: ServerThread) -> tuple[Verdict, list[ActivationRows]]:
+        async with ServerLink(server.address) as link:
             stream = link.decode()
             await stream.send(request)
             opened, first = await stream.recv(), await stream.recv()
             assert first.activations is None
             stream.cancel()
-            await asyncio.sleep(0.2)  # the server notices the stream is gone
+            await until_let_go(server.service.sessions, opened.session_id)
             stream = link.decode()
             await stream.send(replace(request, resume=Resume(opened.session_id, first.tokens,
                                                              rows_held=0)))
@@ -266,7 +268,7 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
             return again, rows
 
     with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
-        again, rows = asyncio.run(go(server.address))
+        again, rows = asyncio.run(go(server))
     assert rows[0].start == 0
     assert sum(len(r.values) for r in rows) >= len(prompt)  # and what the server ran ahead
 
@@ -278,19 +280,24 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
     from cloud_server.decoding.forward_builder import ForwardBuilder
 
     forwards: list[int] = []  # the committed length each forward started from
+    sessions: list[Session] = []
     real = ForwardBuilder.stepping
     monkeypatch.setattr(ForwardBuilder, "stepping", lambda self, *args: (
-        forwards.append(len(self.session.committed)), real(self, *args))[1])
+        forwards.append(len(self.session.committed)), sessions.append(self.session),
+        real(self, *args))[2])
     prompt = tuple(40 + i % 60 for i in range(900))  # 900 fp16 rows of width 64: 115 KB
     lead = 6
+    acknowledged = len(prompt) + 1  # the prefill's token counts as received
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
                           activations=ActivationFormat.FP16, lead=lead, trailing_rows=True)
 
     async def go(server: ServerThread) -> list[int]:
         async with ServerLink(server.address) as link:
             stream = link.decode()
-            await stream.send(request)
-            await asyncio.sleep(2.0)  # reading nothing
+            await stream.send(request)  # and reads nothing
+            await until(lambda: bool(sessions) and (
+                sessions[0].finished or len(sessions[0].committed) >= acknowledged + lead),
+                60, "the server's forwards to reach the lead")
             ran = list(forwards)
             stream.cancel()
             return ran
@@ -298,7 +305,6 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
     with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server:
         assert len(prompt) * server.service.info().activation_width * 2 > 65536
         ran = asyncio.run(go(server))
-    acknowledged = len(prompt) + 1  # the prefill's token counts as received
     assert ran and ran[0] == acknowledged and ran[-1] < acknowledged + lead
 
 

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from testkit.cli_harness import free_port, server_process
+from testkit.waiting import scrape, wait_until
 
 pytestmark = pytest.mark.slow  # real processes killed and restarted: make test-all
 
@@ -19,8 +20,8 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7] * 3
 NEW = 160
 
 
-def start_server(model_dir, port: int) -> subprocess.Popen:
-    return server_process(port, "--model", str(model_dir), "--drafter-dir", "none")
+def start_server(model_dir, port: int, *extra: str) -> subprocess.Popen:
+    return server_process(port, "--model", str(model_dir), "--drafter-dir", "none", *extra)
 
 
 def edge_run(port: int, tmp_path, name: str) -> tuple[subprocess.Popen, object]:
@@ -63,15 +64,16 @@ def clean(tiny_model_dir, tmp_path_factory) -> list[int]:
                          ids=["killed", "drained", "killed-and-down-3s"])
 def test_a_restarted_server_finishes_the_same_text(tiny_model_dir, tmp_path, clean, stop,
                                                    down_s):
-    port = free_port()
-    server = start_server(tiny_model_dir, port)
+    port, metrics = free_port(), free_port()
+    server = start_server(tiny_model_dir, port, "--metrics-port", str(metrics))
     edge, out = edge_run(port, tmp_path, "restarted")
     try:
-        time.sleep(1.5)  # mid-generation
+        wait_until(lambda: scrape(metrics).get("splitdec_tokens_generated_total", 0) >= 8, 120,
+                   "8 tokens generated: mid-generation")
         assert edge.poll() is None, "the generation ended before the restart"
         server.send_signal(stop)
         server.wait(30)
-        time.sleep(down_s)  # the edge drafts offline meanwhile
+        time.sleep(down_s)  # the outage under test: the edge drafts offline meanwhile
         server = start_server(tiny_model_dir, port)
         result = record(edge, out)
     finally:

@@ -17,6 +17,7 @@ from shared.messages import (
 )
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
+from testkit.waiting import let_go, until, until_let_go, wait_until
 
 
 PROMPT = (5, 6, 7, 8, 5, 6, 7)
@@ -60,7 +61,7 @@ def test_resume_sends_what_a_lost_verdict_carried(isolated_server, tiny_target):
     async def go():
         async with ServerLink(isolated_server.address) as link:
             opened, generated = await open_and_step(link, 3)
-            await asyncio.sleep(0.2)  # the server notices the stream is gone
+            await until_let_go(isolated_server.service.sessions, opened.session_id)
             held = generated[:-2]  # the edge never saw the last Verdict or two
             return generated, await resume_to_the_end(link, opened, held)
     generated, (again, first, final) = asyncio.run(go())
@@ -84,7 +85,7 @@ def test_resume_with_a_history_the_session_never_had_is_refused(isolated_server)
     async def go():
         async with ServerLink(isolated_server.address) as link:
             opened, generated = await open_and_step(link, 1)
-            await asyncio.sleep(0.2)
+            await until_let_go(isolated_server.service.sessions, opened.session_id)
             forged = [(generated[0] + 1) % 256] + generated[1:]
             await resume_to_the_end(link, opened, forged)
     with pytest.raises(LinkError, match="does not match"):
@@ -114,24 +115,22 @@ def test_a_history_past_the_end_of_the_generation_is_refused(isolated_server, ti
 
 def test_an_abandoned_session_is_reaped_after_the_idle_timeout(tiny_target):
     """Its stream gone and no new session arriving, an orphan still goes (with its cache)."""
-    import time
-
     from cloud_server.config import ServerConfig
     from tests.server_harness import ServerThread
 
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64,
                     session_idle_timeout_s=1)
 
-    async def abandon(address: str) -> None:
+    async def abandon(address: str) -> str:
         async with ServerLink(address) as link:
-            await open_and_step(link, 1)
+            return (await open_and_step(link, 1))[0].session_id
 
     with ServerThread(tiny_target, ServerConfig(limits)) as server:
-        asyncio.run(abandon(server.address))
-        time.sleep(0.2)
-        assert len(server.service.sessions) == 1  # held for a resume
-        time.sleep(2.0)
-        assert len(server.service.sessions) == 0
+        sessions = server.service.sessions
+        session_id = asyncio.run(abandon(server.address))
+        wait_until(lambda: let_go(sessions, session_id), 10, "the stream's end noticed")
+        assert sessions.orphan(session_id) is not None  # held for a resume
+        wait_until(lambda: session_id not in sessions, 10, "the orphan reaped")
 
 
 async def server_generate(address: str, request: GenerateRequest) -> tuple[list[int], int]:
@@ -193,7 +192,7 @@ def test_a_finished_paced_session_is_kept_until_the_client_says_close(isolated_s
             if close:
                 await stream.send(CloseRequest())
             await stream.finish()
-            await asyncio.sleep(0.2)
+            await until_let_go(isolated_server.service.sessions, opened.session_id)
             again = link.decode()
             await again.send(replace(request, resume=Resume(opened.session_id,
                                                             tuple(generated[:-1]))))
@@ -220,6 +219,10 @@ def test_a_broken_paced_stream_leaves_its_session_running_to_the_lead(isolated_s
         return (yield from real(self, *args))
     monkeypatch.setattr(ForwardBuilder, "stepping", slow)
 
+    def gone_on(session_id: str, tokens: int) -> bool:
+        session = isolated_server.service.sessions.orphan(session_id)
+        return session is not None and (session.finished or session.generated >= tokens)
+
     async def go() -> tuple[Verdict, list[int]]:
         async with ServerLink(isolated_server.address) as link:
             stream = link.decode()
@@ -228,7 +231,8 @@ def test_a_broken_paced_stream_leaves_its_session_running_to_the_lead(isolated_s
             await stream.send(request)
             opened, first = await stream.recv(), await stream.recv()
             stream.cancel()
-            await asyncio.sleep(1.5)
+            await until(lambda: gone_on(opened.session_id, len(first.tokens) + lead), 60,
+                        "the detached session to run to the lead or the end")
             again = link.decode()
             await again.send(replace(request, resume=Resume(opened.session_id,
                                                             tuple(first.tokens))))

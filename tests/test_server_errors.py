@@ -10,42 +10,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.messages import Limits
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
-
-PROMPT = [5, 6, 7]
-BASE = len(PROMPT) + 1  # the prefill commits one token
-
-
-def open_msg(ids=PROMPT, **kw) -> pb.ClientMessage:
-    return pb.ClientMessage(open=pb.Open(input_ids=pb.TokenIds(ids=ids), **kw))
-
-
-def draft_msg(round_id=1, base=BASE, tokens=(10,), parents=(-1,), **kw) -> pb.ClientMessage:
-    return pb.ClientMessage(draft=pb.Draft(round_id=round_id, base_length=base,
-                                           tokens=tokens, parents=parents, **kw))
-
-
-CLOSE = pb.ClientMessage(close=pb.Close())
-
-
-def run_stream(address: str, messages: list[pb.ClientMessage]):
-    """Sends the messages, returns (responses, the RpcError or None)."""
-    with grpc.insecure_channel(address) as channel:
-        call = pb_grpc.SplitDecodingStub(channel).Decode(iter(messages), timeout=20)
-        responses = []
-        try:
-            for r in call:
-                responses.append(r)
-        except grpc.RpcError as err:
-            return responses, err
-        return responses, None
-
-
-def assert_refused(address: str, messages, code: grpc.StatusCode, words: str) -> None:
-    _, err = run_stream(address, messages)
-    assert err is not None, "the server accepted bad input"
-    assert err.code() == code, err.details()
-    assert words in err.details()
-
+from testkit.raw_stream import BASE, CLOSE, assert_refused, draft_msg, open_msg, run_stream
 
 BAD_INPUTS = {
     "token over vocab": ([open_msg(), draft_msg(tokens=(100000,))], "INVALID_ARGUMENT", "outside"),

@@ -8,9 +8,9 @@ import pytest
 from shared import prompt_sets as prompts
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
-from edge_client.reporting import SilentListener
 from shared.messages import ChatMessage, OpenRequest
 from testkit.device_under_test import DEVICE
+from testkit.waiting import Progress
 from tests.server_harness import ServerThread
 
 pytestmark = pytest.mark.slow
@@ -78,16 +78,6 @@ def test_real_model_seeded_sampling_replays_and_races_ignore_the_drafter(real_ta
     assert topk[0] == topk[1]
 
 
-class FirstTokens(SilentListener):
-    """A listener that fires an event at the first committed tokens."""
-
-    def __init__(self) -> None:
-        self.seen = asyncio.Event()
-
-    def committed(self, ids: list[int]) -> None:
-        self.seen.set()
-
-
 @pytest.mark.parametrize("mode, outage_s", [("cut", 1.0), ("blackhole", 2.5)])
 def test_real_model_outage_mid_generation_loses_nothing(real_target, mode, outage_s):
     """An outage a moment after the answer starts: the edge drafts offline, resumes, has its
@@ -100,11 +90,10 @@ def test_real_model_outage_mid_generation_loses_nothing(real_target, mode, outag
 
     async def go(address: str, proxy: ProxyThread):
         async with EdgeClient(address, ClientOptions("pld", None, MAX_NEW)) as client:
-            listener = FirstTokens()
+            progress = Progress()
             task = asyncio.create_task(
-                client.generate(OpenRequest(chat=chat, max_new_tokens=MAX_NEW), listener))
-            await listener.seen.wait()
-            await asyncio.sleep(0.2)
+                client.generate(OpenRequest(chat=chat, max_new_tokens=MAX_NEW), progress))
+            await progress.reached(2)  # the prefill's token and a round's: the answer started
             proxy.start_outage(outage_s)
             return await asyncio.wait_for(task, 120)
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Sequence
 
 import pytest
-import torch
 
 from edge_client.client import ClientOptions, EdgeClient
 from shared.acceptance import AcceptanceMode
-from shared.sampling import SamplingParams, race_noise, race_winner, warp
-from tests.test_server_errors import assert_refused, open_msg
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+from shared.sampling import SamplingParams
+from testkit.race_decoding import race_reference
+from testkit.raw_stream import assert_refused, open_msg
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7]
 MAX_NEW = 30
@@ -29,26 +28,11 @@ def generate(address: str, drafter: str, nodes: int | None, sampling: SamplingPa
     return asyncio.run(go())
 
 
-@torch.inference_mode()
-def race_reference(target, sampling: SamplingParams, prompt: Sequence[int] = tuple(PROMPT),
-                   max_new: int = MAX_NEW) -> list[int]:
-    """Token-by-token decoding where each token is the race winner under the target's p."""
-    ids, stops = list(prompt), set(target.stop_token_ids())
-    while len(ids) - len(prompt) < max_new:
-        ids_on_device = torch.tensor([ids], device=target.device)
-        logits = target.model(input_ids=ids_on_device).logits[0, -1].float().cpu().numpy()
-        ids.append(race_winner(warp(logits, sampling),
-                               race_noise(sampling.seed, len(ids), target.vocab_size)))
-        if ids[-1] in stops:
-            break
-    return ids[len(prompt):]
-
-
 def test_exponential_race_text_is_the_same_whatever_the_drafter(tiny_server, tiny_target):
     race = AcceptanceMode.EXPONENTIAL_RACE
     outputs = {(d, n): generate(tiny_server.address, d, n, SAMPLING, race).output_ids
                for d in ("pld", "aded") for n in (1, 8, None)}
-    expected = race_reference(tiny_target, SAMPLING)
+    expected = race_reference(tiny_target, SAMPLING, PROMPT, MAX_NEW)
     assert all(out == expected for out in outputs.values()), (outputs, expected)
     other_seed = SamplingParams(0.9, 50, 0.95, seed=99)
     assert generate(tiny_server.address, "pld", None, other_seed, race).output_ids != expected

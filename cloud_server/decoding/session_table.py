@@ -100,6 +100,12 @@ class SessionTable:
         if entry is not None and entry.owner is owner:
             entry.owner = None
 
+    def orphan(self, session_id: str) -> Session | None:
+        """The session if it is detached, held for a resume; None while a stream owns it or
+        once it is gone. For watchers (tests) of the server noticing a broken stream."""
+        entry = self._entries.get(session_id)
+        return entry.session if entry is not None and entry.owner is None else None
+
     def release(self, session: Session, owner: object) -> None:
         """The owner is done with the session: drop it (unless another stream took it over)."""
         entry = self._entries.get(session.id)
