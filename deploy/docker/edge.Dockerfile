@@ -1,11 +1,16 @@
 # edge-client and netsim, no torch: onnxruntime, tokenizers, grpcio, numpy, aiohttp. Build from
 # the repository root:
 #   docker build -f deploy/docker/edge.Dockerfile -t splitdec-edge .
-FROM python:3.11-slim
+# BASE: an image with Python 3.11 and its venv module; deploy/images.sh passes one made by
+# debootstrap from Debian bookworm's packages where no image registry is reachable. The venv
+# keeps pip off the system Python, which Debian's marks externally managed (PEP 668).
+ARG BASE=python:3.11-slim
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    SPLITDEC_CACHE=/cache
-RUN useradd --uid 10001 --create-home splitdec \
+    SPLITDEC_CACHE=/cache PATH=/opt/venv/bin:$PATH
+RUN python3 -m venv /opt/venv \
+    && useradd --uid 10001 --create-home splitdec \
     && mkdir /cache /results && chown splitdec /cache /results
 
 WORKDIR /app
