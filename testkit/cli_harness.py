@@ -13,6 +13,7 @@ from typing import Iterator
 from testkit.device_under_test import DEVICE
 
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF
+QUESTION = "Name the capital city of France."  # one the 4-bit target is sure of
 
 
 def free_port() -> int:

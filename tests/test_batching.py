@@ -16,12 +16,12 @@ from cloud_server.engine.kv_cache import keep_path
 from cloud_server.target import PREFILL_CHUNK
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
-from shared.messages import Limits, OpenRequest
+from shared.messages import OpenRequest
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
+from testkit.batched_runs import LIMITS, run_together
 from testkit.device_under_test import DEVICE
 
-LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=600, max_new_tokens=64)
 
 
 def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
@@ -80,33 +80,6 @@ def test_a_prompt_chunk_batched_with_a_tree_continues_like_a_whole_prefill(tiny_
         logits, _ = done.value
     torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
     assert cache.get_seq_length() == len(long)
-
-
-def run_together(target, requests: list[OpenRequest], drafter: DrafterName | None,
-                 max_tokens: int = 512) -> tuple[list[list[int]], int]:
-    """Runs every request's generation at once through one Batcher (the server's path);
-    returns the generated tokens of each and the most sessions one forward ran."""
-    most = [0]
-
-    def seen(sessions: int, _tokens: int, _s: float) -> None:
-        most[0] = max(most[0], sessions)
-
-    async def one(batcher: Batcher, request: OpenRequest) -> list[int]:
-        session = await batcher.model_thread.run(Session.open, target, LIMITS, request)
-        decoder = ServerDecoder(session, own_drafter(drafter, LIMITS), 0, ())
-        await batcher.run(decoder.prefilling(), session.id)  # keyed, as the service does
-        while not session.finished:
-            await batcher.run(decoder.stepping(), session.id)
-        batcher.forget(session.id)
-        return session.committed[len(session.prompt_ids):]
-
-    async def go() -> list[list[int]]:
-        batcher = Batcher(ModelThread(), target, max_tokens, seen)
-        try:
-            return list(await asyncio.gather(*(one(batcher, r) for r in requests)))
-        finally:
-            batcher.model_thread.shutdown()
-    return asyncio.run(go()), most[0]
 
 
 def alone(target, request: OpenRequest, drafter: DrafterName | None) -> list[int]:

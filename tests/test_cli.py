@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from testkit.cli_harness import free_port, running_server
+from testkit.cli_harness import QUESTION, free_port, running_server
 
 EDGE = [sys.executable, "-m", "edge_client.cli"]
 
@@ -87,7 +87,6 @@ def test_health_command_answers_for_a_serving_server(tiny_server):
 
 # "What is the capital of France?" opens with a near-tie for the model itself (top-2 gap 0.08 in
 # fp32), which the 4-bit engine resolves the other way ("L'Étoile, ..."): a prompt it is sure of.
-QUESTION = "Name the capital city of France."
 
 
 @pytest.mark.slow

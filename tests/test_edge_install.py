@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from cloud_server.cli import CLOUD_EXTRA_MODULES
-from testkit.cli_harness import first_line, running_server
-from tests.test_cli import QUESTION  # one the 4-bit target is sure of
+from testkit.cli_harness import QUESTION, first_line, running_server
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ from shared.messages import FinishReason, Limits, Pace
 from netsim import LinkProfile, NetworkConditions, ProxyThread
 from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
-from tests.test_split_decoding_tiny import MAX_NEW, PROMPTS
+from testkit.tiny_prompts import MAX_NEW, PROMPTS
 
 
 def paced_outputs(address: str, drafter: str, pace: Pace, tree_nodes: int | None = None,

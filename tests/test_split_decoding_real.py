@@ -110,7 +110,7 @@ def test_real_sessions_batched_together_write_what_each_writes_alone(real_target
     ragged forwards (server-side lookup trees of different sizes), each equal to its plain
     greedy decoding."""
     from shared.drafting.base import DrafterName
-    from tests.test_batching import run_together
+    from testkit.batched_runs import run_together
 
     requests = [OpenRequest(chat=(ChatMessage("user", p),), max_new_tokens=24)
                 for p in sample_prompts()[:4]]

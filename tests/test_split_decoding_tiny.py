@@ -8,14 +8,7 @@ import pytest
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from shared.messages import FinishReason, OpenRequest
-
-PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7],
-    list(range(20, 40)) * 2,
-    [100],
-    [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9],
-]
-MAX_NEW = 40
+from testkit.tiny_prompts import MAX_NEW, PROMPTS
 
 
 def split_outputs(address: str, drafter: str, tree_nodes: int | None):
