@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="batch sizes the host's share of a step is timed at (tiny model)")
     p.add_argument("--project-batches", default="64,128,256,512")
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch's CPU threads (0: its default); on a machine shared with other "
+                        "jobs one thread is steadier: two wait on each other at every op")
     p.add_argument("--name", default="answer_throughput")
     return p.parse_args(argv)
 
@@ -114,12 +117,15 @@ def main(argv: list[str] | None = None) -> dict:
     from testkit.tiny_model import build_tiny_model
 
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     target = TargetModel.load(*model_store.resolve("default"), "cpu")
     batches = [int(b) for b in args.batches.split(",")]
     real, reference = [], []
+    pool = training_prompts(target, max(batches) * args.prompts_per_batch, args.max_prompt_tokens)
     for batch in batches:
-        prompts = training_prompts(target, batch * args.prompts_per_batch, args.max_prompt_tokens)
+        prompts = pool[:batch * args.prompts_per_batch]
         real.append(engine_run(target, prompts, batch, args.max_new_tokens,
                                args.max_prompt_tokens))
         print(json.dumps(real[-1]), flush=True)
@@ -160,7 +166,8 @@ def report(args, real, reference, host, projected) -> str:
     proj_rows = [(p["batch"], f"{p['host_ms']:.2f}", f"{p['worst'] / 1000:.1f}",
                   f"{p['best'] / 1000:.1f}") for p in projected]
     return (
-        f"Training answers through the static engine (eager, fp32, last layer captured), "
+        f"Training answers through the static engine (eager, fp32, last layer captured, "
+        f"{torch.get_num_threads()} torch threads), "
         f"{args.max_new_tokens} new tokens a prompt, {args.prompts_per_batch} x batch training "
         f"prompts; {machine()}\n\n"
         + markdown_table(("sessions", "answer tokens", "forward s", "tokens per forward-s",

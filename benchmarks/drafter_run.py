@@ -43,8 +43,9 @@ RUN = "run.json"
 
 @dataclass(frozen=True)
 class Sizes:
-    prompts: int  # training prompts (sources, then Magpie's)
-    magpie: int  # of which written by the target itself
+    sources: tuple[str, ...]  # prompt_sources.py's names
+    prompts: int  # training prompts at most: the sources' (as many as they hold), then Magpie's
+    magpie: int  # prompts written by the target itself, mixed in turn with the sources'
     max_prompt_tokens: int
     max_new_tokens: int
     sessions: int  # answered at once
@@ -59,11 +60,18 @@ class Sizes:
 
 
 SIZES = {
-    "rehearsal": Sizes(prompts=48, magpie=0, max_prompt_tokens=128, max_new_tokens=32,
-                       sessions=16, shard_samples=16, steps=24, batch_tokens=1024, unroll=3,
+    "rehearsal": Sizes(sources=("eval-framework",), prompts=48, magpie=0,
+                       max_prompt_tokens=128, max_new_tokens=32, sessions=16, shard_samples=16,
+                       steps=24, batch_tokens=1024, unroll=3,
                        draft_vocab=8192, checkpoint_every=8, eval_per_set=1,
                        eval_new_tokens=32),
-    "h100": Sizes(prompts=40000, magpie=20000, max_prompt_tokens=256, max_new_tokens=160,
+    # the slow test's: every stage on a handful of prompts and steps
+    "smoke": Sizes(sources=("eval-framework",), prompts=6, magpie=0, max_prompt_tokens=128,
+                   max_new_tokens=12, sessions=4, shard_samples=4, steps=3, batch_tokens=512,
+                   unroll=3, draft_vocab=8192, checkpoint_every=2, eval_per_set=1,
+                   eval_new_tokens=8),
+    "h100": Sizes(sources=("eval-framework", "sharegpt", "chitchat"), prompts=40000,
+                  magpie=30000, max_prompt_tokens=256, max_new_tokens=160,
                   sessions=256, shard_samples=4096, steps=1500, batch_tokens=16384, unroll=4,
                   draft_vocab=8192, checkpoint_every=100, eval_per_set=6, eval_new_tokens=128),
 }
@@ -78,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop-after", choices=("data", "train", "bundle", "eval"), default="eval",
                    help="the last stage to run")
     p.add_argument("--name", default="drafter_run", help="the evaluation's results file stem")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch's CPU threads (0: its default); on a machine shared with other "
+                        "jobs one thread is steadier: two wait on each other at every op")
     return p.parse_args(argv)
 
 
@@ -97,13 +108,13 @@ def data(target, sizes: Sizes, out: Path) -> dict:
                                                       write_shards)
     from cloud_server.training.magpie import synthesize
 
-    texts = prompt_sources.training_prompts(("eval-framework", "sharegpt", "chitchat"))
-    texts = texts[:sizes.prompts - sizes.magpie]
+    texts = prompt_sources.training_prompts(sizes.sources)
     if sizes.magpie:
         cached = out / "magpie.json"
         if not cached.exists():
             cached.write_text(json.dumps(synthesize(target, sizes.magpie, 1024)))
         texts = list(prompt_sources.mixed(texts, json.loads(cached.read_text())))
+    texts = texts[:sizes.prompts]
     prompts = answers.encode_prompts(target, texts, sizes.max_prompt_tokens)
     graphs = target.device.type == "cuda"
     engine = answer_engine(target.model, target.device, sizes.sessions,
@@ -170,6 +181,10 @@ STAGES = ("data", "train", "bundle", "eval")
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     sizes = SIZES[args.sizes]
     args.out.mkdir(parents=True, exist_ok=True)
     record_path = args.out / RUN

@@ -4,7 +4,11 @@ target's own pass, a rerun answers only what no shard holds, training from the s
 target forward, and a recurrent run cut off part-way and rerun ends where an uncut one does."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,10 +19,11 @@ from cloud_server.training.batches import collate
 from cloud_server.training.data import answer_batch
 from cloud_server.training.engine_answers import (SHARD_GLOB, EngineAnswers, answer_engine,
                                                   write_shards)
-from cloud_server.training.features import load_shards, stored_teacher
-from cloud_server.training.moa import Trainer, teacher
+from cloud_server.training.features import load_shards
+from cloud_server.training.moa import Trainer, stored_teacher, teacher
 from cloud_server.training.settings import TrainSettings
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, *range(40 + i, 44 + i + i % 5)] for i in range(0, 60, 3)]  # 20, 5-9 tokens
 SETTINGS = TrainSettings(steps=4, batch_tokens=256, lr=3e-3, warmup=2, draft_vocab=64,
                          checkpoint_every=2, recurrent=True, unroll=3,
@@ -81,10 +86,10 @@ def test_training_from_shards_runs_no_target_forward(tiny_target, shards, tmp_pa
         raise AssertionError("the teacher pass ran")
 
     monkeypatch.setattr(moa, "teacher", refuse)
-    trainer = Trainer(tiny_target.model, samples, replace(SETTINGS, steps=30, warmup=3),
-                      tmp_path, (2,), feature_layers=layers)
-    losses = [trainer.train_step(trainer.batch_for(s))["loss"] for s in range(30)]
-    assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses
+    trainer = Trainer(tiny_target.model, samples, SETTINGS, tmp_path, (2,), feature_layers=layers)
+    stats = [trainer.train_step(trainer.batch_for(s)) for s in range(2)]
+    assert all(torch.isfinite(torch.tensor(s["loss"])) for s in stats)
+    assert trainer.step_count == 2
 
 
 def test_a_recurrent_run_cut_off_and_rerun_ends_where_an_uncut_one_does(tiny_target, shards,
@@ -106,3 +111,25 @@ def test_a_recurrent_run_cut_off_and_rerun_ends_where_an_uncut_one_does(tiny_tar
     assert resumed.step_count == uncut.step_count == SETTINGS.steps
     for name, value in uncut.edge.state_dict().items():
         torch.testing.assert_close(resumed.edge.state_dict()[name], value)
+
+
+@pytest.mark.slow
+def test_the_rehearsal_runs_end_to_end_and_a_rerun_resumes(tmp_path):
+    """benchmarks/drafter_run.py on the real target at its smallest sizes (`smoke`): data,
+    training, bundle and moa_tau; a rerun finds every stage done (no prompt answered twice,
+    training at its last step) and evaluates again."""
+    command = [sys.executable, "-m", "benchmarks.drafter_run", "--out", str(tmp_path),
+               "--sizes", "smoke", "--threads", "1", "--name", "scratch_drafter_run"]
+    try:
+        subprocess.run(command + ["--stop-after", "train"], check=True, cwd=ROOT)
+        first = json.loads((tmp_path / "run.json").read_text())
+        assert first["data"]["answer_tokens_now"] > 0 and not first["train"]["teacher_pass"]
+        subprocess.run(command, check=True, cwd=ROOT)
+    finally:  # moa_tau writes its tables into the results directory: not a result
+        for path in (ROOT / "benchmarks" / "results").glob("scratch_drafter_run.*"):
+            path.unlink()
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["data"]["answer_tokens_now"] == 0  # every prompt already in a shard
+    assert set(record["eval"]) == {"run", "moa"}
+    assert all(r["lossless"][0] == r["lossless"][1] for r in record["eval"].values())
+    assert (tmp_path / "LOG_entry.md").read_text().startswith("## scratch_drafter_run")

@@ -10,13 +10,9 @@ another layer) get the teacher pass as before (moa.teacher).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import torch
 from safetensors.torch import load_file
 
 from cloud_server.moa.config import MoaConfig, ServerInput
-from cloud_server.training.batches import Batch
 from cloud_server.training.data import Sample
 from cloud_server.training.engine_answers import SHARD_GLOB
 
@@ -53,15 +49,3 @@ def covers(layers: tuple[int, ...], configs: list[MoaConfig]) -> bool:
         if config.tli_layers:
             needed.add(config.target_layers - config.tli_layers - 1)
     return needed <= set(layers)
-
-
-def stored_teacher(target: Any, batch: Batch, layers: tuple[int, ...]) -> Any:
-    """moa.Teacher from the batch's stored features: [b, T, L, width] -> per layer [b, T, width]."""
-    from cloud_server.training.moa import Teacher
-
-    assert batch.features is not None
-    outputs = {layer: batch.features[:, :, slot].float() for slot, layer in enumerate(layers)}
-    last = outputs[target.config.num_hidden_layers - 1]
-    with torch.no_grad():
-        final = target.model.norm(last.to(target.dtype)).float()  # [b, T, width]
-    return Teacher(final, {}, outputs)

@@ -41,7 +41,7 @@ from shared import progress
 from cloud_server.training.batches import Batch, collate, make_batches, rank_vocab
 from cloud_server.training.boundaries import causal_mask, cross_mask
 from cloud_server.training.distill import distill_loss
-from cloud_server.training.features import covers, stored_teacher
+from cloud_server.training.features import covers
 from cloud_server.training.sar import block_loss
 from cloud_server.training.settings import TrainSettings
 from cloud_server.training.unroll import unrolled
@@ -109,6 +109,18 @@ def teacher(target: Any, batch: Batch, configs: list[MoaConfig]) -> Teacher:
         stacked = capture.stacked().float()  # [b, T, L, width]
         outputs = {layer: stacked[:, :, slot] for slot, layer in enumerate(hidden_layers)}
     return Teacher(out.last_hidden_state.float(), layer_kv, outputs)
+
+
+def stored_teacher(target: Any, batch: Batch, layers: tuple[int, ...]) -> Teacher:
+    """The teacher pass from the batch's stored features (features.py), where they hold the
+    last layer: [b, T, L, width] -> per layer [b, T, width], and the last through the target's
+    final norm, as its own forward ends."""
+    assert batch.features is not None
+    outputs = {layer: batch.features[:, :, slot].float() for slot, layer in enumerate(layers)}
+    last = outputs[target.config.num_hidden_layers - 1]
+    with torch.no_grad():
+        final = target.model.norm(last.to(target.dtype)).float()  # [b, T, width]
+    return Teacher(final, {}, outputs)
 
 
 def _others(running: dict[str, float], names: list[str]) -> str:
