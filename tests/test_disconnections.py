@@ -36,11 +36,15 @@ def options(policy: LinkPolicy = POLICY, pace: Pace = Pace.LOCKSTEP) -> ClientOp
 
 async def generate_with_outages(address: str, proxy: ProxyThread,
                                 outages: list[tuple[float, float]],
-                                policy: LinkPolicy = POLICY, pace: Pace = Pace.LOCKSTEP):
-    """Generates while outages (start after the request is sent, duration) hit the link."""
+                                policy: LinkPolicy = POLICY, pace: Pace = Pace.LOCKSTEP,
+                                after_tokens: int = 0):
+    """Generates while outages (start, duration) hit the link; starts count from the request,
+    or from the `after_tokens`-th committed token (mid-answer whatever the machine's load)."""
     async with EdgeClient(address, options(policy, pace), LINK) as client:
+        progress = Progress()
         task = asyncio.create_task(client.generate(
-            client.options.open_request(prompt_ids=PROMPT)))
+            client.options.open_request(prompt_ids=PROMPT), progress))
+        await progress.reached(after_tokens)
         began = asyncio.get_running_loop().time()
         for start, duration in outages:  # the scripted moments under test, not waits
             await asyncio.sleep(max(0.0, began + start - asyncio.get_running_loop().time()))
@@ -82,7 +86,8 @@ def test_outage_loses_nothing(isolated_server, tiny_target, mode, moment, pace):
 
 def test_offline_text_is_checked_and_corrected(isolated_server, tiny_target):
     with ProxyThread(isolated_server.address, slow_link(OutageMode.CUT)) as proxy:
-        result = asyncio.run(generate_with_outages(proxy.address, proxy, [(0.3, 1.0)]))
+        result = asyncio.run(generate_with_outages(proxy.address, proxy, [(0.0, 1.0)],
+                                                   after_tokens=2))
     assert_lossless(tiny_target, result)
     assert result.offline_tokens > 0, "the drafter drafted nothing while the link was down"
     assert result.outage_s > 0.5
