@@ -46,17 +46,18 @@ class Tally:
 
 
 class Recorder:
-    """Wraps a MoaDrafter: keeps the trees it proposes and counts the step rows it runs."""
+    """Wraps a MoA drafter: keeps the trees it proposes and counts the step rows its graphs
+    run."""
 
-    def __init__(self, drafter) -> None:
+    def __init__(self, drafter, graphs) -> None:
         self.drafter, self.trees, self.rows = drafter, [], 0
-        run_step = drafter._run_step
+        step = graphs.step
 
-        def counted(ids, *args):
+        def counted(ids, *args, **kwargs):
             self.rows += len(ids)
-            return run_step(ids, *args)
+            return step(ids, *args, **kwargs)
 
-        drafter._run_step = counted
+        graphs.step = counted
 
     def __getattr__(self, name: str):
         return getattr(self.drafter, name)
@@ -83,18 +84,27 @@ def main() -> None:
     report(args, measure(args))
 
 
+def recorded(bundle: Path, args: argparse.Namespace, merge: bool) -> Recorder:
+    """The MoA drafter with prompt-lookup nodes, drafting trees or (`merge`) draft graphs."""
+    from edge_client.drafters.lookup_merge import LookupMerge
+    from edge_client.drafters.moa import MoaDrafter
+    from edge_client.drafters.moa_graphs import MoaGraphs
+    from edge_client.drafters.tree_search import TreeSearch
+
+    graphs = MoaGraphs(bundle, args.precision)
+    drafter = MoaDrafter(graphs, TreeSearch(args.max_depth, merge=merge))
+    return Recorder(LookupMerge(drafter, args.lookup_nodes, merge), graphs)
+
+
 def measure(args: argparse.Namespace) -> list[Tally]:
     from cloud_server import model_store
     from cloud_server.reference import compare, plain_greedy
     from cloud_server.target import TargetModel
-    from edge_client.drafters.moa import MoaDrafter
 
     target = TargetModel.load(*model_store.resolve("default"), "cpu")
     base = moa_contender(args, target, Entry("moa", args.drafter, lookup=True, graphs=False,
                                              race=False))
-    variants = {name: Recorder(MoaDrafter(base.bundle, precision=args.precision,
-                                          max_depth=args.max_depth,
-                                          lookup_nodes=args.lookup_nodes, merge=merge))
+    variants = {name: recorded(base.bundle, args, merge)
                 for name, merge in (("tree", False), ("graph (merged)", True))}
     tallies = [Tally(name) for name in variants]
     for set_name in evaluation.SETS:

@@ -207,10 +207,13 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
     from cloud_server.moa.bundle import build_bundle
     from cloud_server.moa.config import MoaConfig
     from cloud_server.moa.weights import CONFIG
-    from edge_client.drafters.falcon import FalconDrafter
-    from edge_client.drafters.moa import MoaDrafter
     from edge_client.drafters import static_trees
+    from edge_client.drafters.lookup_merge import LookupMerge
     from edge_client.drafters.moa_bundle import load_manifest
+    from edge_client.drafters.moa_graphs import MoaGraphs
+    from edge_client.drafters.race_aware import RaceAware
+    from edge_client.drafters.trained import TREE_DRAFTERS
+    from edge_client.drafters.tree_search import TreeSearch
     from shared.cache import cache_root
 
     server = None
@@ -222,13 +225,15 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
                           cache_root() / "moa-bundles", target.tokenizer_json())
     manifest = load_manifest(bundle)
     size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
-    kind = FalconDrafter if manifest.block > 1 else MoaDrafter
-    drafter = kind(bundle, precision=args.precision, max_depth=args.max_depth,
-                   lookup_nodes=args.lookup_nodes if entry.lookup else 0, merge=entry.graphs,
-                   race_aware=entry.race,
-                   choices=static_trees.load(entry.directory) if entry.cddt else None)
-    return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: drafter.step_calls,
-                     (lambda: drafter.ranker) if entry.race else None)
+    graphs = MoaGraphs(bundle, args.precision)
+    tree = TREE_DRAFTERS[graphs.kind](graphs, TreeSearch(
+        args.max_depth, merge=entry.graphs,
+        choices=static_trees.load(entry.directory) if entry.cddt else None))
+    race = RaceAware(tree, graphs.vocab) if entry.race else None
+    ranked = tree if race is None else race
+    drafter = LookupMerge(ranked, args.lookup_nodes, entry.graphs) if entry.lookup else ranked
+    return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: graphs.step_calls,
+                     (lambda: race.ranker) if race else None)
 
 
 def load_target(args: argparse.Namespace):

@@ -53,7 +53,7 @@ def design_tree(drafter_dir: Path, max_nodes: int, prompts: int, skip: int, max_
         walks += walker.walks
         print(f"calibration prompt {i + 1}/{len(chosen)}: {len(walks)} walks",
               file=sys.stderr, flush=True)
-    hits = static_trees.rank_hits(walks, args.max_depth, contender.drafter.top_k)
+    hits = static_trees.rank_hits(walks, args.max_depth, contender.drafter.graphs.top_k)
     if not hits[0].any():
         raise RuntimeError(f"{drafter_dir}: in {len(walks)} walks the drafter never ranked the "
                            "target's next token among its top-k: no tree to design")

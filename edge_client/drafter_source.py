@@ -14,11 +14,12 @@ from typing import Callable, Iterator
 from shared.drafting import DRAFTERS, make_drafter
 from shared.drafting.base import Drafter, DrafterName, reads_activations
 from edge_client.drafters import static_trees
-from edge_client.drafters.falcon import FalconDrafter
-from edge_client.drafters.moa import MoaDrafter  # onnxruntime loads only when one is built
 from edge_client.drafters.moa_bundle import (
     bundle_cache_dir, find_bundle, install_bundle, load_manifest,
 )
+# onnxruntime loads only when one is built
+from edge_client.drafters.trained import TREE_DRAFTERS, trained_drafter
+from edge_client.drafters.tree_search import TreeSearch
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import FALCON_ARTIFACT, MOA_ARTIFACT
@@ -26,8 +27,7 @@ from shared.messages import ArtifactInfo, ArtifactKind, ServerInfo
 
 FALLBACK = DrafterName.PLD  # what 'auto' drafts with when no trained drafter is offered
 # the drafters that come as a bundle from the server, by the name Info lists it under
-TRAINED = {DrafterName.MOA: (MOA_ARTIFACT, MoaDrafter),
-           DrafterName.FALCON: (FALCON_ARTIFACT, FalconDrafter)}
+TRAINED = {DrafterName.MOA: MOA_ARTIFACT, DrafterName.FALCON: FALCON_ARTIFACT}
 
 
 class TreeShape(Enum):
@@ -42,7 +42,7 @@ class TreeShape(Enum):
 def offered_drafter(info: ServerInfo) -> tuple[DrafterName, ArtifactInfo] | None:
     """The trained drafter the server offers (one at most), and its bundle artifact."""
     for artifact in info.artifacts:
-        for name, (artifact_name, _) in TRAINED.items():
+        for name, artifact_name in TRAINED.items():
             if artifact.kind is ArtifactKind.DRAFTER_BUNDLE and artifact.name == artifact_name:
                 return name, artifact
     return None
@@ -63,8 +63,8 @@ def sampling_acceptance(name: DrafterName) -> AcceptanceMode:
     if name is DrafterName.AUTO:
         raise ValueError("'auto' names no drafter yet: build the request from the options of "
                          "an entered EdgeClient, which resolves it against the server")
-    if name in TRAINED:
-        return TRAINED[name][1].sampling_acceptance
+    if name in TREE_DRAFTERS:
+        return TREE_DRAFTERS[name].sampling_acceptance
     return DRAFTERS[name].sampling_acceptance
 
 
@@ -104,9 +104,9 @@ async def drafter_pool(name: DrafterName, link: ServerLink, info: ServerInfo,
                             f"{name} has no designed tree: use --tree dynamic")
         return DrafterPool(lambda: make_drafter(name, depth_limit=info.limits.max_tree_depth))
     bundle_dir = await _trained_bundle(name, link, info)
-    kind = TRAINED[name][1]
     choices = designed_tree(name, bundle_dir) if tree is TreeShape.DESIGNED else None
-    first = kind(bundle_dir, merge=draft_graphs, race_aware=race_aware, choices=choices)
+    first = trained_drafter(bundle_dir, name, TreeSearch(merge=draft_graphs, choices=choices),
+                            race_aware)
     return DrafterPool(first.sibling, kept=first)
 
 

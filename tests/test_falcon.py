@@ -19,11 +19,16 @@ from cloud_server.reference import compare, plain_greedy
 from cloud_server.training.sar import block_ends, glance, relaxed_mask
 from edge_client.drafters.falcon import FalconDrafter
 from edge_client.client import ClientOptions, EdgeClient
+from edge_client.drafters.lookup_merge import LookupMerge
 from edge_client.drafters.moa import MoaDrafter
+from edge_client.drafters.moa_graphs import MoaGraphs
+from edge_client.drafters.trained import trained_drafter
+from edge_client.drafters.tree_search import TreeSearch
 from edge_client.link import LinkError
 from shared.drafter_bundle import FALCON_ARTIFACT, BundleError, Precision
 from cloud_server.decoding.server_decoding import decode_in_process
 from shared.acceptance import AcceptanceMode
+from shared.drafting.base import DrafterName
 from shared.messages import ActivationFormat, FinishReason, Limits, OpenRequest, Pace
 from shared.draft_q import Proposal
 from shared.sampling import SamplingParams
@@ -92,14 +97,15 @@ def test_edge_drafts_what_training_computed(tiny_target, tiny_falcon_dir, tiny_f
     training forward run block by block; the bundle says its block in a format older edges
     refuse."""
     edge, _, acts = falcon_parts(tiny_target, tiny_falcon_dir)
-    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6, beam=1,
-                            branch=1, lookup_nodes=0)
+    drafter = FalconDrafter(MoaGraphs(tiny_falcon_bundle, Precision.FP32),
+                            TreeSearch(max_depth=6, beam=1, branch=1))
     assert '"format": 3' in (tiny_falcon_bundle / "bundle.json").read_text()
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts.numpy())
     calls = []
-    run_step = drafter._run_step
-    drafter._run_step = lambda *a: calls.append(len(a[0])) or run_step(*a)  # type: ignore
+    run_step = drafter.graphs.step
+    drafter.graphs.step = (  # type: ignore[method-assign]
+        lambda *a, **k: calls.append(len(a[0])) or run_step(*a, **k))
     for context in (PROMPT + [30], PROMPT + [30, 31, 32]):
         calls.clear()
         tree = drafter.propose(context, max_nodes=6)
@@ -116,8 +122,9 @@ def test_split_decoding_with_falcon_equals_plain_greedy(tiny_target, tiny_falcon
     _, server, _ = falcon_parts(tiny_target, tiny_falcon_dir)
     plain = plain_greedy(tiny_target, PROMPT, 32)
     for merge in (False, True):
-        drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6,
-                                beam=4, branch=4, merge=merge)
+        drafter = trained_drafter(tiny_falcon_bundle, DrafterName.FALCON,
+                                  TreeSearch(max_depth=6, beam=4, branch=4, merge=merge),
+                                  precision=Precision.FP32)
         sizes: list[int] = []
         propose = drafter.propose
         drafter.propose = lambda *a: sizes.append(len(t := propose(*a))) or t  # type: ignore
@@ -129,9 +136,9 @@ def test_split_decoding_with_falcon_equals_plain_greedy(tiny_target, tiny_falcon
 
 def test_each_drafter_refuses_the_others_bundle(tiny_falcon_bundle, tiny_bundle):
     with pytest.raises(BundleError, match="--drafter falcon"):
-        MoaDrafter(tiny_falcon_bundle, precision=Precision.FP32)
+        MoaDrafter(MoaGraphs(tiny_falcon_bundle, Precision.FP32))
     with pytest.raises(BundleError, match="--drafter moa"):
-        FalconDrafter(tiny_bundle)
+        FalconDrafter(MoaGraphs(tiny_bundle))
 
 
 def test_a_falcon_drafter_is_not_recurrent(tiny_target):
@@ -218,8 +225,8 @@ def test_inside_a_block_every_node_is_expanded(tiny_target, tiny_falcon_dir, tin
     """Children inside a block come from rows already computed, so the beam limits only the
     nodes that end a block: both first-level nodes are expanded, one of the second level's."""
     _, _, acts = falcon_parts(tiny_target, tiny_falcon_dir)
-    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=3, beam=1,
-                            branch=2, lookup_nodes=0)
+    drafter = FalconDrafter(MoaGraphs(tiny_falcon_bundle, Precision.FP32),
+                            TreeSearch(max_depth=3, beam=1, branch=2))
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts.numpy())
     tree = drafter.propose(PROMPT + [30], max_nodes=64)
@@ -238,8 +245,9 @@ def test_falcon_drafts_when_sampling(tiny_target, tiny_falcon_dir, tiny_falcon_b
     then adds the target's token. (How many of Falcon's drafts the rules accept is the trained
     network's business; that they accept drafts right by construction, tests/test_moa_split.py.)"""
     _, server, _ = falcon_parts(tiny_target, tiny_falcon_dir)
-    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6)
-    assert drafter.block == 2
+    falcon = FalconDrafter(MoaGraphs(tiny_falcon_bundle, Precision.FP32), TreeSearch(max_depth=6))
+    drafter = LookupMerge(falcon)
+    assert falcon.graphs.block == 2
     sent: list[tuple[Proposal, tuple[np.ndarray, np.ndarray] | None]] = []  # each round's
     propose, propose_sampled = drafter.propose, drafter.propose_sampled
 
@@ -249,7 +257,7 @@ def test_falcon_drafts_when_sampling(tiny_target, tiny_falcon_dir, tiny_falcon_b
 
     def sampled(*args) -> Proposal:
         proposal = propose_sampled(*args)
-        logprobs, ids = drafter._first_rows  # the round's block step: [block, top_k] each
+        logprobs, ids = falcon._first_rows  # the round's block step: [block, top_k] each
         sent.append((proposal, (logprobs.copy(), ids.copy())))
         return proposal
 

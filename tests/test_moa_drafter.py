@@ -13,9 +13,13 @@ from tests.in_process import split_greedy
 from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import plain_greedy
+from edge_client.drafters.lookup_merge import LookupMerge
 from edge_client.drafters.moa import MoaDrafter
+from edge_client.drafters.moa_graphs import MoaGraphs
+from edge_client.drafters.trained import trained_drafter
+from edge_client.drafters.tree_search import TreeSearch
 from shared.drafter_bundle import Precision
-from shared.drafting.base import reads_activations
+from shared.drafting.base import DrafterName, reads_activations
 from shared.tree import DraftTree
 
 PROMPT = [1, 46, 47, 48, 49]
@@ -42,8 +46,8 @@ def test_greedy_drafts_match_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     cache, _ = tiny_target.prefill(PROMPT)
     acts = server(cache, 0, len(PROMPT), dtype=np.float32)  # [len(PROMPT), width]
-    drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=6, beam=1, branch=1,
-                         lookup_nodes=0)
+    drafter = MoaDrafter(MoaGraphs(tiny_bundle, Precision.FP32),
+                         TreeSearch(max_depth=6, beam=1, branch=1))
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts)
     context = PROMPT + [30]  # the first answer token: pending, no activation yet
@@ -58,7 +62,8 @@ def test_greedy_drafts_match_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
 def test_split_decoding_with_moa_equals_plain_greedy(tiny_target, tiny_drafter_dir, tiny_bundle,
                                                      precision):
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
-    drafter = MoaDrafter(tiny_bundle, precision=precision, max_depth=6, beam=4, branch=4)
+    drafter = trained_drafter(tiny_bundle, DrafterName.MOA,
+                              TreeSearch(max_depth=6, beam=4, branch=4), precision=precision)
     tokens, per_round = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
     assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
     assert sum(per_round) / len(per_round) > 1.5, per_round  # drafts get accepted
@@ -71,8 +76,9 @@ def test_merging_drafter_drafts_graphs_and_equals_plain_greedy(tiny_target, tiny
     from shared.draft_graph import breadth_first, fold
 
     server = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
-    drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=6, beam=4, branch=4,
-                         merge=True)
+    drafter = trained_drafter(tiny_bundle, DrafterName.MOA,
+                              TreeSearch(max_depth=6, beam=4, branch=4, merge=True),
+                              precision=Precision.FP32)
     trees = []
     propose = drafter.propose
 
@@ -95,12 +101,12 @@ def test_activations_are_fp16_rows_of_width(tiny_target, tiny_drafter_dir):
 
 
 def test_drafter_needs_activations_and_rejects_gaps(tiny_bundle):
-    drafter = MoaDrafter(tiny_bundle, precision=Precision.FP32)
+    drafter = MoaDrafter(MoaGraphs(tiny_bundle, Precision.FP32))
     assert reads_activations(drafter)
     drafter.reset(PROMPT)
     assert len(drafter.propose(PROMPT, 8)) == 0  # nothing verified yet: nothing to offer
     with pytest.raises(ValueError):
-        drafter.add_activations(2, np.zeros((1, drafter.width), np.float16))
+        drafter.add_activations(2, np.zeros((1, drafter.graphs.width), np.float16))
 
 
 def test_int8_activations_round_trip_closely(tiny_target, tiny_drafter_dir):
@@ -129,11 +135,11 @@ def test_edge_side_of_moa_does_not_import_torch():
 def test_independent_baseline_feeds_its_own_memory(tiny_target, tiny_independent_bundle):
     """The baseline's memory is the verified tokens' embeddings: no activations, and split
     decoding with it stays lossless."""
-    drafter = MoaDrafter(tiny_independent_bundle, precision=Precision.FP32, max_depth=6, beam=4,
-                         branch=4)
+    graphs = MoaGraphs(tiny_independent_bundle, Precision.FP32)
+    drafter = LookupMerge(MoaDrafter(graphs, TreeSearch(max_depth=6, beam=4, branch=4)))
     assert not reads_activations(drafter)
     with pytest.raises(ValueError, match="no activations"):
-        drafter.add_activations(0, np.zeros((1, drafter.width), dtype=np.float32))
+        drafter.add_activations(0, np.zeros((1, graphs.width), dtype=np.float32))
     tokens, per_round = split_greedy(tiny_target, None, drafter, PROMPT, 32, max_nodes=16)
     assert tokens == plain_greedy(tiny_target, PROMPT, len(tokens))
     assert sum(per_round) / len(per_round) > 1.2, per_round
@@ -147,11 +153,13 @@ def test_lookup_nodes_merge_a_repeated_phrase(tiny_bundle):
     """With lookup_nodes, a text that repeats itself gets the copy's continuation as well."""
     phrase = [60, 61, 62, 63, 64, 65]
     context = PROMPT + phrase + [70, 71] + phrase[:2]
-    with_lookup, without = (MoaDrafter(tiny_bundle, precision=Precision.FP32, max_depth=4, beam=2,
-                                       branch=2, lookup_nodes=n) for n in (4, 0))
+    search = TreeSearch(max_depth=4, beam=2, branch=2)
+    without = MoaDrafter(MoaGraphs(tiny_bundle, Precision.FP32), search)
+    with_lookup = LookupMerge(MoaDrafter(MoaGraphs(tiny_bundle, Precision.FP32), search), 4)
     for drafter in (with_lookup, without):
         drafter.reset(context[:-1])
-        drafter.add_activations(0, np.zeros((len(context) - 1, drafter.width), np.float32))
+        drafter.add_activations(0, np.zeros((len(context) - 1, without.graphs.width),
+                                            np.float32))
     tree = with_lookup.propose(context, max_nodes=16)
     paths = {tuple(tree.path_tokens(i)) for i in range(len(tree))}
     assert tuple(phrase[2:6]) in paths and len(tree) == 16
@@ -178,7 +186,8 @@ def test_hidden_input_drafter_through_the_session(tiny_target, tiny_drafter_dir,
     assert server.hidden_layers
     bundle = build_bundle(directory, tiny_target.model, "tiny-llama",
                           tmp_path_factory.mktemp(name), tiny_target.tokenizer_json())
-    drafter = MoaDrafter(bundle, precision=Precision.FP32, max_depth=6, beam=4, branch=4)
+    drafter = trained_drafter(bundle, DrafterName.MOA, TreeSearch(max_depth=6, beam=4, branch=4),
+                              precision=Precision.FP32)
     request = OpenRequest(prompt_ids=tuple(PROMPT), max_new_tokens=32)
     run = decode_in_process(tiny_target, request, drafter, 16, server)
     tokens = [t for v in run.verdicts for t in v.tokens]

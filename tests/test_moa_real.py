@@ -30,8 +30,8 @@ def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path, falcon
     from cloud_server.moa.weights import committed_drafter
     from cloud_server.reference import compare, plain_greedy
     from edge_client.drafter_source import designed_tree
-    from edge_client.drafters.falcon import FalconDrafter
-    from edge_client.drafters.moa import MoaDrafter
+    from edge_client.drafters.trained import trained_drafter
+    from edge_client.drafters.tree_search import TreeSearch
     from shared.drafter_bundle import Precision
     from shared.drafting.base import DrafterName
 
@@ -42,8 +42,8 @@ def test_committed_drafter_is_lossless_and_accepts(real_target, tmp_path, falcon
     bundle = build_bundle(drafter_dir, real_target.model, real_target.model_id, tmp_path)
     server = ServerActivations.load(drafter_dir, real_target.model)
     choices = designed_tree(DrafterName.FALCON, bundle) if designed else None
-    drafter = (FalconDrafter if falcon else MoaDrafter)(bundle, precision=Precision.INT8,
-                                                        choices=choices)
+    drafter = trained_drafter(bundle, DrafterName.FALCON if falcon else DrafterName.MOA,
+                              TreeSearch(choices=choices), precision=Precision.INT8)
     prompt = real_target.apply_chat_template((ChatMessage("user", PROMPT),))
     tokens, per_round = split_greedy(real_target, server, drafter, prompt, 48, max_nodes=32)
     plain = plain_greedy(real_target, prompt, 48)

@@ -15,7 +15,10 @@ from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.weights import load_drafter
 from cloud_server.reference import compare, plain_greedy
 from cloud_server.training.unroll import unrolled
+from edge_client.drafters.lookup_merge import LookupMerge
 from edge_client.drafters.moa import MoaDrafter
+from edge_client.drafters.moa_graphs import MoaGraphs
+from edge_client.drafters.tree_search import TreeSearch
 from shared.drafter_bundle import Precision
 from shared.tree import DraftTree
 from tests.in_process import split_greedy
@@ -78,11 +81,11 @@ def test_edge_drafts_equal_the_torch_drafter(tiny_target, tiny_recurrent_dir,
     with torch.inference_mode(), LayerOutputs(tiny_target.model, server.hidden_layers) as seen:
         tiny_target.model(input_ids=torch.tensor([PROMPT]))
         acts = server.server(seen.stacked()[0].float()).numpy()  # [len(PROMPT), width]
-    drafter = MoaDrafter(tiny_recurrent_bundle, precision=Precision.FP32, max_depth=5, beam=1,
-                         branch=1, lookup_nodes=0)
+    drafter = MoaDrafter(MoaGraphs(tiny_recurrent_bundle, Precision.FP32),
+                         TreeSearch(max_depth=5, beam=1, branch=1))
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts)
-    assert drafter.recurrent
+    assert drafter.graphs.recurrent
     # an edge that cannot feed features refuses the bundle by its format
     assert '"format": 2' in (tiny_recurrent_bundle / "bundle.json").read_text()
     for context in (PROMPT + [30], PROMPT + [30, 31, 32]):
@@ -110,9 +113,9 @@ def test_split_decoding_with_a_recurrent_drafter_equals_plain_greedy(
     """Every round verifies a tree of the recurrent drafter's, and the text is plain greedy's
     (the near-tie rule, cloud_server/reference.py); what it drafts is
     test_edge_drafts_equal_the_torch_drafter's business."""
-    drafter = MoaDrafter(tiny_recurrent_bundle, precision=Precision.FP32, max_depth=6, beam=4,
-                         branch=4)
-    assert drafter.recurrent
+    graphs = MoaGraphs(tiny_recurrent_bundle, Precision.FP32)
+    drafter = LookupMerge(MoaDrafter(graphs, TreeSearch(max_depth=6, beam=4, branch=4)))
+    assert graphs.recurrent
     sizes: list[int] = []
     propose = drafter.propose
     drafter.propose = lambda *a: sizes.append(len(t := propose(*a))) or t  # type: ignore

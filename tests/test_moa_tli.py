@@ -22,9 +22,13 @@ from cloud_server.moa.weights import WEIGHTS, load_drafter
 from cloud_server.reference import compare, plain_greedy
 from edge_client.drafters.moa import MoaDrafter
 from edge_client.drafters.moa_bundle import load_manifest
+from edge_client.drafters.moa_graphs import MoaGraphs
+from edge_client.drafters.trained import trained_drafter
+from edge_client.drafters.tree_search import TreeSearch
 from safetensors.torch import load_file
 from shared import drafter_bundle
 from shared.drafter_bundle import BundleError, BundleManifest, Graph, Precision, StepIO
+from shared.drafting.base import DrafterName
 from testkit.target_families import build_family
 from tests.conftest import fp32_bundle, train_tiny
 from tests.in_process import split_greedy
@@ -110,7 +114,7 @@ def test_the_edge_drafts_what_training_computes(tiny_target, tli_dir, tli_bundle
     length = len(context)
     cache = tiny_target.model(input_ids=torch.tensor([context]), use_cache=True).past_key_values
     rows = activations(cache, 0, length - 1, dtype=np.float32)  # all but the last
-    drafter = MoaDrafter(tli_bundle, precision=Precision.FP32, lookup_nodes=0)
+    drafter = MoaDrafter(MoaGraphs(tli_bundle, Precision.FP32))
     drafter.reset(context)
     drafter.add_activations(0, rows)
     drafter.propose(context[:-1], 1)  # computes and keeps the state of context[:-2]
@@ -128,7 +132,8 @@ def test_the_edge_drafts_what_training_computes(tiny_target, tli_dir, tli_bundle
 @pytest.mark.slow
 def test_split_decoding_with_tli_equals_plain_greedy(tiny_target, tli_dir, tli_bundle):
     server = ServerActivations.load(tli_dir, tiny_target.model)
-    drafter = MoaDrafter(tli_bundle, precision=Precision.FP32, max_depth=6, beam=4, branch=4)
+    drafter = trained_drafter(tli_bundle, DrafterName.MOA,
+                              TreeSearch(max_depth=6, beam=4, branch=4), precision=Precision.FP32)
     tokens, _ = split_greedy(tiny_target, server, drafter, PROMPT, 32, max_nodes=16)
     plain = plain_greedy(tiny_target, PROMPT, 32)
     verdict = compare(tiny_target, PROMPT, tokens, plain)  # the near-tie rule

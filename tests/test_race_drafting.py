@@ -8,9 +8,15 @@ import numpy as np
 import pytest
 
 from cloud_server.decoding.server_decoding import decode_in_process
+from edge_client.drafters.lookup_merge import LookupMerge
 from edge_client.drafters.moa import MoaDrafter
+from edge_client.drafters.moa_graphs import MoaGraphs
+from edge_client.drafters.race_aware import RaceAware
+from edge_client.drafters.trained import trained_drafter
+from edge_client.drafters.tree_search import TreeSearch
 from shared.acceptance import AcceptanceMode
 from shared.drafter_bundle import Precision
+from shared.drafting.base import DrafterName
 from shared.drafting.race import Race, RaceRanker
 from shared.messages import OpenRequest
 from shared.sampling import SamplingParams, race_noise, race_winner
@@ -77,12 +83,13 @@ def test_a_rows_winner_outside_its_top_k_teaches_nothing():
 def test_the_tree_follows_the_fitted_race(tiny_target, tiny_bundle):
     """A fresh ranker drafts the log-q tree; weighed as the race on q alone (log q / T + G),
     the tree's first node is that race's winner."""
-    drafter = MoaDrafter(tiny_bundle, precision=Precision.INT8, max_depth=4, lookup_nodes=0,
-                         race_aware=True)
+    graphs = MoaGraphs(tiny_bundle, Precision.INT8)
+    model = MoaDrafter(graphs, TreeSearch(max_depth=4))
+    drafter = RaceAware(model, graphs.vocab)
     drafter.reset(PROMPT)
     context = list(PROMPT) + [30]
-    drafter.add_activations(0, np.zeros((len(PROMPT), drafter.width), dtype=np.float32))
-    logprobs, ids = drafter._sync(context)
+    drafter.add_activations(0, np.zeros((len(PROMPT), graphs.width), dtype=np.float32))
+    logprobs, ids = model._sync(context)
     drafter.follow_race(Race(5, 0.8))
     assert drafter.propose(context, 32).tokens[0] == ids[0]
     assert drafter.ranker is not None
@@ -112,10 +119,11 @@ def test_race_aware_drafts_leave_the_text_as_it_was(tiny_target, tiny_bundle, ti
                           sampling=SamplingParams(temperature=temperature, seed=9),
                           acceptance=AcceptanceMode.EXPONENTIAL_RACE)
     plain = decode_in_process(tiny_target, request, None, 0)
+    graphs = MoaGraphs(tiny_bundle)
+    aware = RaceAware(MoaDrafter(graphs), graphs.vocab)
     texts = []
-    for aware in (True, False):
-        drafter = MoaDrafter(tiny_bundle, precision=Precision.INT8, race_aware=aware)
+    for drafter in (LookupMerge(aware), trained_drafter(tiny_bundle, DrafterName.MOA)):
         run = decode_in_process(tiny_target, request, drafter, 16, server)
-        assert (drafter._race is not None) == aware  # the session's race reached the drafter
         texts.append([t for v in run.verdicts for t in v.tokens])
+    assert aware.ranker is not None  # the session's race reached the drafter
     assert texts[0] == texts[1] == [t for v in plain.verdicts for t in v.tokens]

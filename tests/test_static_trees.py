@@ -12,10 +12,13 @@ import pytest
 from cloud_server.config import ServerConfig
 from cloud_server.reference import plain_greedy
 from edge_client.drafter_source import designed_tree
-from edge_client.drafters import moa, static_trees
+from edge_client.drafters import static_trees, tree_drafter
 from edge_client.drafters.draft_trees import Candidates
 from edge_client.drafters.falcon import FalconDrafter
 from edge_client.drafters.moa_bundle import find_bundle, load_manifest
+from edge_client.drafters.moa_graphs import MoaGraphs
+from edge_client.drafters.trained import trained_drafter
+from edge_client.drafters.tree_search import TreeSearch
 from edge_client.link import LinkError
 from shared.drafter_bundle import Precision
 from shared.drafting.base import DrafterName
@@ -68,8 +71,8 @@ def test_falcon_drafts_its_designed_tree_and_stays_lossless(tiny_target, tiny_fa
     """Walked along its own greedy chain, the drafter ranks each token first; the designed
     tree is drafted with the shape designed, and split decoding with it is plain greedy."""
     _, server, acts = falcon_parts(tiny_target, tiny_falcon_dir)
-    chain = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6, beam=1,
-                          branch=1, lookup_nodes=0)
+    chain = FalconDrafter(MoaGraphs(tiny_falcon_bundle, Precision.FP32),
+                          TreeSearch(max_depth=6, beam=1, branch=1))
     chain.reset(PROMPT)
     chain.add_activations(0, acts.numpy())
     context = PROMPT + [30]
@@ -77,12 +80,12 @@ def test_falcon_drafts_its_designed_tree_and_stays_lossless(tiny_target, tiny_fa
     assert chain.ranks_along(context, greedy) == [0] * 6
     assert chain.ranks_along(context, (-5,)) == [-1]  # not among the top-k: the walk ends
 
-    hits = static_trees.rank_hits([[0, 0, 1, 0], [0, 1], [1, 0]], depth=6, top_k=chain.top_k)
+    hits = static_trees.rank_hits([[0, 0, 1, 0], [0, 1], [1, 0]], depth=6, top_k=chain.graphs.top_k)
     choices = static_trees.design(hits, 8)
     static_trees.save(tmp_path, choices, hits, walks=3)
     assert static_trees.load(tmp_path) == choices
-    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6,
-                            lookup_nodes=0, choices=static_trees.load(tmp_path))
+    drafter = FalconDrafter(MoaGraphs(tiny_falcon_bundle, Precision.FP32),
+                            TreeSearch(max_depth=6, choices=static_trees.load(tmp_path)))
     drafter.reset(PROMPT)
     drafter.add_activations(0, acts.numpy())
     tree = drafter.propose(context, max_nodes=8)
@@ -98,12 +101,12 @@ def test_a_tree_is_designed_from_walks_down_the_targets_text(tiny_target, tiny_f
     """What benchmarks/tree_design.py does on the real model: walks gathered while the drafter
     decodes in process (the activations reach it through the walker), a design from them."""
     _, server, _ = falcon_parts(tiny_target, tiny_falcon_dir)
-    drafter = FalconDrafter(tiny_falcon_bundle, precision=Precision.FP32, max_depth=6)
+    drafter = FalconDrafter(MoaGraphs(tiny_falcon_bundle, Precision.FP32), TreeSearch(max_depth=6))
     answer = plain_greedy(tiny_target, PROMPT, 24)
     walker = static_trees.RankWalker(drafter, [*PROMPT, *answer])
     tokens, per_round = split_greedy(tiny_target, server, walker, PROMPT, 24, max_nodes=8)
     assert tokens == answer and len(walker.walks) == len(per_round)
-    hits = static_trees.rank_hits(walker.walks, depth=6, top_k=drafter.top_k)
+    hits = static_trees.rank_hits(walker.walks, depth=6, top_k=drafter.graphs.top_k)
     assert hits[0].any() and static_trees.design(hits, 8)
 
 
@@ -126,7 +129,7 @@ def test_a_served_design_travels_in_the_bundle_and_is_drafted(tiny_target, tiny_
     def recorded(first, expand, shape, max_nodes):
         shapes.append(shape)
         return static_trees.static_tree(first, expand, shape, max_nodes)
-    monkeypatch.setattr(moa, "static_tree", recorded)
+    monkeypatch.setattr(tree_drafter, "static_tree", recorded)
     limits = Limits(max_tree_nodes=16, max_tree_depth=8, max_new_tokens=64)
     with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=drafter_dir)) as server:
         assert_split_greedy_is_plain(tiny_target, server.address, "falcon", 16,

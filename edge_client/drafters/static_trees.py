@@ -20,9 +20,9 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from edge_client.drafters.draft_trees import Candidates, Expand
+from edge_client.drafters.drafter_wrapper import DrafterWrapper, PooledDrafter
+from shared.draft_q import Proposal
 from shared.drafter_bundle import CHOICES_FILE
-from shared.drafting.base import Drafter, ReadsActivations
-from shared.drafting.race import Race
 from shared.tree import ROOT, DraftTree
 
 Choice = tuple[int, ...]
@@ -32,7 +32,7 @@ def static_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand,
                 choices: Sequence[Choice], max_nodes: int) -> DraftTree:
     """The tree of the first `max_nodes` `choices` (prefix-closed, shorter first, as `design`
     writes them): `first` is the first level's top log q and ids, `expand` gives the children
-    rows of each node that has children, a level at a time (MoaDrafter._expander)."""
+    rows of each node that has children, a level at a time (TreeDrafter._expander)."""
     kept = list(choices[:max_nodes])
     nodes = Candidates()
     index: dict[Choice, int] = {(): ROOT}
@@ -53,31 +53,21 @@ def static_tree(first: tuple[np.ndarray, np.ndarray], expand: Expand,
     return DraftTree(tuple(nodes.tokens), tuple(nodes.parents))
 
 
-class Walkable(Drafter, ReadsActivations, Protocol):
-    """A tree drafter that can walk a text down its ranks (MoaDrafter, FalconDrafter)."""
+class Walkable(PooledDrafter, Protocol):
+    """A tree drafter that can walk a text down its ranks (tree_drafter.TreeDrafter)."""
 
     def ranks_along(self, context: Sequence[int], truth: Sequence[int]) -> list[int]: ...
 
 
-class RankWalker:
+class RankWalker(DrafterWrapper[Walkable]):
     """A tree drafter in process (moa.py, falcon.py) that, before each round's tree, walks the
-    target's text `text` (prompt and greedy answer) down its ranks (MoaDrafter.ranks_along):
-    `walks`, what `rank_hits` counts. Greedy only."""
+    target's text `text` (prompt and greedy answer) down its ranks (`walk_ranks`): `walks`,
+    what `rank_hits` counts. Greedy only."""
 
     def __init__(self, drafter: Walkable, text: Sequence[int]) -> None:
-        self.drafter, self.text = drafter, list(text)
-        self.name = drafter.name
-        self.needs_activations = drafter.needs_activations
+        super().__init__(drafter)
+        self.text = list(text)
         self.walks: list[list[int]] = []
-
-    def reset(self, prompt: Sequence[int]) -> None:
-        self.drafter.reset(prompt)
-
-    def follow_race(self, race: Race | None) -> None:
-        self.drafter.follow_race(race)
-
-    def add_activations(self, start: int, values: np.ndarray) -> None:
-        self.drafter.add_activations(start, values)
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
         if len(context) < len(self.text):
@@ -85,16 +75,28 @@ class RankWalker:
         return self.drafter.propose(context, max_nodes)
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int,
-                        rng: np.random.Generator):
+                        rng: np.random.Generator) -> Proposal:
         raise NotImplementedError("the calibration decodes greedily")
 
-    def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
-                tokens: tuple[int, ...]) -> None:
-        self.drafter.observe(context, tree, accepted_nodes, tokens)
+
+def walk_ranks(ids: np.ndarray, expand: Expand, truth: Sequence[int], max_depth: int
+               ) -> list[int]:
+    """The rank of each token of `truth` among the drafter's top-k at its depth, `ids` [top_k]
+    the first level's, down the path while it stays among them (-1 where it fell outside):
+    what a static tree is designed from."""
+    nodes, ranks = Candidates(), []
+    for depth, token in enumerate(truth[:max_depth]):
+        hit = np.flatnonzero(ids == token)
+        ranks.append(int(hit[0]) if hit.size else -1)
+        if not hit.size or depth + 1 == max_depth:
+            break
+        nodes.add(int(token), len(nodes.tokens) - 1 if depth else ROOT, 0.0, depth)
+        ids = expand(nodes, [len(nodes.tokens) - 1])[1][0]
+    return ranks
 
 
 def rank_hits(walks: Sequence[Sequence[int]], depth: int, top_k: int) -> np.ndarray:
-    """hits [depth, top_k] from walks down the target's text (MoaDrafter.ranks_along: the rank
+    """hits [depth, top_k] from walks down the target's text (`walk_ranks`: the rank
     of each token among the drafter's top-k, -1 where it fell outside and the walk ended)."""
     counts = np.zeros((depth, top_k + 1))
     for walk in walks:
