@@ -16,12 +16,15 @@ Every stage resumes: the shards skip answered prompts, training continues from i
 (kill it and rerun the same command), the bundle is cached by content, and a stage's wall time
 lands in OUT/run.json. OUT/LOG_entry.md is the results-log entry's draft.
 
-Sizes (--sizes): `rehearsal` (the CPU, a few minutes) and `h100` (at most 6 GPU minutes):
-answers 40k prompts x ~150 tokens = 6M answer tokens at the projected 50k tokens/s
-(`drafter_pipeline_cpu`) = 2 min; training 1500 steps of 16,384 tokens at the committed run's
-0.118 s a step (3000 steps in 353 s, `moa_tau_gpu`'s training.json; one recurrent student's four
-edge passes against two students' one each) = 3 min; model load and graph capture under a
-minute. The bundle and the evaluation run on the host's CPU after the GPU is done.
+Sizes (--sizes): `rehearsal` (the CPU, minutes), `smoke` (the slow test's) and `h100` (about
+6 GPU minutes, by arithmetic): 30k Magpie prompts written at batch 1024 through transformers'
+loop (not timed here: the committed run's data stage wrote as many, and 3.75M answer tokens, in
+6 minutes), then up to 40k prompts answered 512 at once, ~150 tokens each: 6M answer tokens at
+the 58-68k tokens/s projected for 512 sessions (`drafter_pipeline_cpu`), 1.5-1.7 min; training
+1500 steps of 16,384 tokens at the committed run's 0.118 s a step (3000 steps in 353 s, its
+training.json; one recurrent student's three extra edge passes against a second student and a
+teacher pass, which stored features drop), 3 min; model load and graph capture, under a minute.
+The bundle and the evaluation run after, on the host's CPU.
 
     python -m benchmarks.drafter_run --out runs/drafter --sizes rehearsal [--device cpu]
 """
@@ -72,7 +75,7 @@ SIZES = {
                    eval_new_tokens=8),
     "h100": Sizes(sources=("eval-framework", "sharegpt", "chitchat"), prompts=40000,
                   magpie=30000, max_prompt_tokens=256, max_new_tokens=160,
-                  sessions=256, shard_samples=4096, steps=1500, batch_tokens=16384, unroll=4,
+                  sessions=512, shard_samples=4096, steps=1500, batch_tokens=16384, unroll=4,
                   draft_vocab=8192, checkpoint_every=100, eval_per_set=6, eval_new_tokens=128),
 }
 

@@ -84,6 +84,7 @@ class EngineAnswers:
         self.refill = refill or max(1, self.sessions // 8)
         self.stops = np.array(sorted(stop_ids))
         self.forward_s, self.forwards = 0.0, 0
+        self.forward_cpu_s = 0.0  # this process's CPU time inside the forwards
         pool, width = engine.pool, engine.net.embed.shape[1]
         # rows: [slots, positions, L, width], every position's captured layers, per slot
         self.rows = torch.zeros((self.sessions, pool.positions, len(capture), width),
@@ -105,10 +106,11 @@ class EngineAnswers:
             yield from self._finish(state, max_new_tokens)
 
     def _timed(self, forward):
-        began = time.perf_counter()
+        began, began_cpu = time.perf_counter(), time.process_time()
         with torch.inference_mode():
             out = forward()  # ends in a device-to-host copy: the GPU is done when it returns
         self.forward_s += time.perf_counter() - began
+        self.forward_cpu_s += time.process_time() - began_cpu
         self.forwards += 1
         return out
 
