@@ -74,7 +74,7 @@ def engine_run(target, prompts: list[list[int]], batch: int, max_new: int,
 
     layers = target.model.config.num_hidden_layers
     engine = answer_engine(target.model, target.device, batch, prompt_tokens + max_new,
-                           prompt_tokens, graphs=False)
+                           prompt_tokens)
     answering = EngineAnswers(engine, target.stop_token_ids(), (layers - 1,))
     began, began_cpu = time.perf_counter(), time.process_time()
     tokens = sum(len(answer) for _, answer, _ in answering.answers(prompts, max_new))

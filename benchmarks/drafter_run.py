@@ -109,6 +109,7 @@ def data(target, sizes: Sizes, out: Path) -> dict:
     from cloud_server.training import data as answers, prompt_sources
     from cloud_server.training.engine_answers import (EngineAnswers, answer_engine,
                                                       write_shards)
+    from cloud_server.engine.cuda_graphs import Replay
     from cloud_server.training.magpie import synthesize
 
     texts = prompt_sources.training_prompts(sizes.sources)
@@ -119,7 +120,7 @@ def data(target, sizes: Sizes, out: Path) -> dict:
         texts = list(prompt_sources.mixed(texts, json.loads(cached.read_text())))
     texts = texts[:sizes.prompts]
     prompts = answers.encode_prompts(target, texts, sizes.max_prompt_tokens)
-    graphs = target.device.type == "cuda"
+    graphs = Replay if target.device.type == "cuda" else None
     engine = answer_engine(target.model, target.device, sizes.sessions,
                            sizes.max_prompt_tokens + sizes.max_new_tokens,
                            sizes.max_prompt_tokens, graphs)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cloud_server.engine.cuda_graphs import Rehearsal, Replay
 from cloud_server.moa.config import ServerInput
 from cloud_server.training import moa
 from cloud_server.training.batches import collate
@@ -30,9 +31,12 @@ SETTINGS = TrainSettings(steps=4, batch_tokens=256, lr=3e-3, warmup=2, draft_voc
                          server_inputs=(ServerInput.LAST_HIDDEN,))
 
 
-def answering(target, capture=(), sessions: int = 8, refill: int | None = 3) -> EngineAnswers:
-    engine = answer_engine(target.model, target.device, sessions, 48, 16, graphs=False)
-    return EngineAnswers(engine, target.stop_token_ids(), capture, refill=refill)
+def answering(target, capture=(), sessions: int = 8, refill: int | None = 3,
+              graphs: bool = False) -> EngineAnswers:
+    """`graphs`: CUDA graphs on a GPU (SPLITDEC_TEST_DEVICE=cuda), their rehearsal here."""
+    kind = (Replay if target.device.type == "cuda" else Rehearsal) if graphs else None
+    engine = answer_engine(target.model, target.device, sessions, 48, 16, kind)
+    return EngineAnswers(engine, target.stop_token_ids(), capture, kind, refill=refill)
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +47,12 @@ def shards(tiny_target, tmp_path_factory):
     return out
 
 
-def test_engine_answers_equal_batched_greedy(tiny_target):
-    """More prompts than sessions, slots refilled part-way: each answer is answer_batch's."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "rehearsed"])
+def test_engine_answers_equal_batched_greedy(tiny_target, graphs):
+    """More prompts than sessions, slots refilled part-way: each answer is answer_batch's,
+    eagerly and under the graphs' contract (padded to buckets, free slots as pad rows)."""
     expected = answer_batch(tiny_target, PROMPTS, 24)
-    got = {p: a for p, a, _ in answering(tiny_target).answers(PROMPTS, 24)}
+    got = {p: a for p, a, _ in answering(tiny_target, graphs=graphs).answers(PROMPTS, 24)}
     assert [got[tuple(p)] for p in PROMPTS] == expected
 
 

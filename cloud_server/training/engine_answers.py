@@ -31,13 +31,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from cloud_server.engine.buckets import Buckets
-from cloud_server.engine.cuda_graphs import Replay, capture_or_none
+from cloud_server.engine.cuda_graphs import Rehearsal, Replay, capture_or_none
 from cloud_server.engine.interface import ForwardJob
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
 from cloud_server.engine.static_llama import pack
 from shared import progress
 
 SHARD_GLOB = "answers-*.safetensors"
+Graphs = type[Replay] | type[Rehearsal] | None
 STORED_DTYPE = torch.bfloat16  # bf16's range holds any activation; half of fp32's bytes
 
 
@@ -57,13 +58,13 @@ class Throughput:
 
 
 def answer_engine(model: Any, device: torch.device, sessions: int, positions: int,
-                  prompt_tokens: int, graphs: bool) -> StaticEngine:
+                  prompt_tokens: int, graphs: Graphs = None) -> StaticEngine:
     """The static engine sized for answering: `sessions` KV slots of `positions`, and forwards
     of one token a session (decoding) or up to `prompt_tokens` (prefill), with every power of
     two up to `sessions` as a session bucket (the server's buckets stop at 16 sessions; a
-    batch of answers wants one forward for all). `graphs`: replay CUDA graphs (a GPU)."""
-    engine = StaticEngine(model, device, SlotPlan(sessions, positions, 0),
-                          Replay if graphs else None)
+    batch of answers wants one forward for all). `graphs`: Replay (CUDA graphs, a GPU),
+    Rehearsal (their contract on the CPU, tests) or None (eager)."""
+    engine = StaticEngine(model, device, SlotPlan(sessions, positions, 0), graphs)
     rows = sorted({min(1 << k, sessions) for k in range(sessions.bit_length() + 1)})
     contexts = Buckets.up_to(0, positions, 1).contexts
     engine.buckets = Buckets(tuple(rows), (1, prompt_tokens), contexts)
@@ -78,7 +79,7 @@ class EngineAnswers:
     replayed from one CUDA graph per context bucket (free slots are pad rows)."""
 
     def __init__(self, engine: StaticEngine, stop_ids: Sequence[int], capture: tuple[int, ...],
-                 graphs: bool = False, refill: int | None = None):
+                 graphs: Graphs = None, refill: int | None = None):
         self.engine, self.capture, self.graphs = engine, tuple(capture), graphs
         self.sessions = engine.plan.sessions
         self.refill = refill or max(1, self.sessions // 8)
@@ -90,7 +91,7 @@ class EngineAnswers:
         self.rows = torch.zeros((self.sessions, pool.positions, len(capture), width),
                                 dtype=STORED_DTYPE, device=engine.device)
         self._replays: dict[int, Any] = {}
-        self._graph_pool = torch.cuda.graph_pool_handle() if graphs else None
+        self._graph_pool = torch.cuda.graph_pool_handle() if graphs is Replay else None
 
     def answers(self, prompts: Sequence[Sequence[int]], max_new_tokens: int):
         """Yields (prompt, answer, hidden [len(prompt) + len(answer), L, width]) as sessions
@@ -134,7 +135,8 @@ class EngineAnswers:
     def _decode(self, state: "_Slots") -> None:
         """One token for every live session in one forward."""
         net, pool = self.engine.net, self.engine.pool
-        slots = np.arange(self.sessions) if self.graphs else np.flatnonzero(state.active)
+        slots = (np.arange(self.sessions) if self.graphs is not None
+                 else np.flatnonzero(state.active))
         live = state.active[slots]  # [S]: false on pad rows
         length = np.where(live, state.length[slots], 0)  # [S]: positions cached
         where = np.where(live, slots, pool.scratch)  # [S]: the slot each row writes and reads
@@ -158,7 +160,7 @@ class EngineAnswers:
 
     def _step(self, ints: torch.Tensor, tree: torch.Tensor, context: int):
         net, kv, device = self.engine.net, self.engine.pool.kv, self.engine.device
-        if not self.graphs:
+        if self.graphs is None:
             return net.forward(kv, ints.to(device), tree.to(device), context, self.capture)
         bucket = next(c for c in self.engine.buckets.contexts if c >= context)
         if bucket not in self._replays:
@@ -168,7 +170,7 @@ class EngineAnswers:
                 return net.forward(kv, i, t, bucket, capture)
 
             self._replays[bucket] = capture_or_none(
-                Replay, step, ints.to(device), tree.to(device), self._graph_pool,
+                self.graphs, step, ints.to(device), tree.to(device), self._graph_pool,
                 f"answers: {self.sessions} sessions over {bucket} positions")
         replay = self._replays[bucket]
         if replay is None:
