@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from shared.drafter_bundle import Precision
 
 from testkit.device_under_test import DEVICE
+from testkit.tiny_drafters import fp32_bundle, train_tiny
 from testkit.tiny_model import build_tiny_model
 
 
@@ -82,23 +82,6 @@ def real_q4_server(real_q4_target):
         yield server
 
 
-def train_tiny(target, out: Path, steps: int, **settings) -> Path:
-    """A drafter trained briefly on the tiny target's own answers to 8 prompts (sub-vocabulary
-    head); `settings` are TrainSettings fields."""
-    from cloud_server.training.data import Sample, answer_batch
-    from cloud_server.training.moa import Trainer
-    from cloud_server.training.settings import TrainSettings
-
-    prompts = [[1, *range(40 + i, 44 + i)] for i in range(0, 48, 6)]
-    answers = answer_batch(target, prompts, max_new_tokens=32)
-    samples = [Sample(tuple(p), tuple(a)) for p, a in zip(prompts, answers)]
-    Trainer(target.model, samples, TrainSettings(steps=steps, batch_tokens=256, lr=3e-3,
-                                                 warmup=5, draft_vocab=200,
-                                                 checkpoint_every=1000, **settings),
-            out, stop_ids=(2,)).run()
-    return out
-
-
 @pytest.fixture(scope="session")
 def tiny_drafter_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A MoA drafter trained briefly on the tiny target's own answers (sub-vocabulary head),
@@ -136,13 +119,6 @@ def tiny_recurrent_dir(tiny_target, tmp_path_factory: pytest.TempPathFactory) ->
 
     return train_tiny(tiny_target, tmp_path_factory.mktemp("tiny-recurrent"), 60,
                       server_inputs=(ServerInput.LAST_HIDDEN,), recurrent=True, unroll=3)
-
-
-def fp32_bundle(target, drafter_dir: Path, out: Path) -> Path:
-    from cloud_server.moa.bundle import build_bundle
-
-    return build_bundle(drafter_dir, target.model, "tiny-llama", out, target.tokenizer_json(),
-                        precisions=(Precision.FP32,))
 
 
 @pytest.fixture(scope="session")

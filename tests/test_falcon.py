@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from cloud_server.engine.layer_outputs import LayerOutputs
-from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.config import MoaConfig, ServerInput
 from cloud_server.moa.layers import additive_mask
 from cloud_server.moa.weights import load_drafter
@@ -33,12 +32,10 @@ from shared.messages import ActivationFormat, FinishReason, Limits, OpenRequest,
 from shared.draft_q import Proposal
 from shared.sampling import SamplingParams
 from shared.tree import ROOT, DraftTree
+from testkit.tiny_falcon import PROMPT, falcon_parts
 from tests.in_process import split_greedy
 from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
-
-PROMPT = [1, 46, 47, 48, 49]
-
 
 def test_blocks_and_the_relaxed_mask():
     assert block_ends(7, 2, 0).tolist() == [1, 1, 3, 3, 5, 5, 7]
@@ -62,17 +59,6 @@ def test_glancing_hands_chosen_block_starts_what_they_predict():
     assert (new_ids[0, chosen] == chosen + 2).all() and (new_memory[0, chosen, 0] == chosen + 2).all()
     assert (new_ids[:, ~glanced[0]] == ids[:, ~glanced[0]]).all()
     assert (ids == torch.arange(10)).all()  # the inputs are not changed in place
-
-
-def falcon_parts(tiny_target, tiny_falcon_dir):
-    config, server, edge = load_drafter(tiny_falcon_dir, tiny_target.model)
-    assert config.block == 2 and server is not None
-    activations = ServerActivations.load(tiny_falcon_dir, tiny_target.model)
-    with torch.inference_mode(), LayerOutputs(tiny_target.model,
-                                              activations.hidden_layers) as seen:
-        tiny_target.model(input_ids=torch.tensor([PROMPT]))
-        acts = server(seen.stacked()[0].float())  # [len(PROMPT), width]
-    return edge, activations, acts
 
 
 @torch.no_grad()

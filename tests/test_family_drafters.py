@@ -27,7 +27,7 @@ from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
 from shared.messages import Limits
 from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.target_families import FAMILIES, build_family
-from tests.conftest import fp32_bundle
+from testkit.tiny_drafters import fp32_bundle
 from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 

@@ -30,7 +30,7 @@ from shared import drafter_bundle
 from shared.drafter_bundle import BundleError, BundleManifest, Graph, Precision, StepIO
 from shared.drafting.base import DrafterName
 from testkit.target_families import build_family
-from tests.conftest import fp32_bundle, train_tiny
+from testkit.tiny_drafters import fp32_bundle, train_tiny
 from tests.in_process import split_greedy
 
 PROMPT = [1, 46, 47, 48, 49]

@@ -17,7 +17,6 @@ from edge_client.drafters.draft_trees import Candidates
 from edge_client.drafters.falcon import FalconDrafter
 from edge_client.drafters.moa_bundle import find_bundle, load_manifest
 from edge_client.drafters.moa_graphs import MoaGraphs
-from edge_client.drafters.trained import trained_drafter
 from edge_client.drafters.tree_search import TreeSearch
 from edge_client.link import LinkError
 from shared.drafter_bundle import Precision
@@ -26,7 +25,7 @@ from shared.messages import Limits
 from testkit.split_checks import assert_split_greedy_is_plain
 from tests.in_process import split_greedy
 from tests.server_harness import ServerThread
-from tests.test_falcon import PROMPT, falcon_parts
+from testkit.tiny_falcon import PROMPT, falcon_parts
 
 HITS = np.array([[0.6, 0.2, 0.1], [0.7, 0.1, 0.0], [0.5, 0.3, 0.0]])
 
