@@ -111,16 +111,22 @@ def verdict(plain: GenerationResult, spec: GenerationResult, split: GenerationRe
     """Where split decoding stands against server-side speculation here, and why."""
     step_ms = 1000 * plain.wall_s / max(1, plain.rounds)
     d = split.drafts
-    return (f"Split decoding ran {split.tokens_per_s / spec.tokens_per_s:.2f}x server-side "
-            f"speculation here, at {forwards_per_token(split):.2f} target forwards a token "
-            f"against {forwards_per_token(spec):.2f}; of the edge's drafts {d.used} were used, "
-            f"{d.late} came late and {d.wrong} were wrong. On this machine the server is a CPU: "
-            f"a tree forward costs several decoding steps (results log, verify_cost_q4), so it "
-            f"verifies small trees, and a draft costs a {rtt_ms:.0f} ms round trip, "
-            f"{rtt_ms / step_ms:.0f} of its {step_ms:.0f} ms steps, in which its own candidates "
-            f"move on. So on a CPU split decoding at best ties server-side speculation. It pays "
-            f"on a GPU node, where a tree of 64 nodes costs about one step and verifying the "
-            f"edges' drafts is drafting the server no longer does (docs/performance.md).")
+    ratio = split.tokens_per_s / spec.tokens_per_s
+    if d.earned:
+        outcome = (f"Split decoding ran {ratio:.2f}x server-side speculation here, at "
+                   f"{forwards_per_token(split):.2f} target forwards a token against "
+                   f"{forwards_per_token(spec):.2f}")
+    else:
+        outcome = (f"No draft of the edge's got a token accepted, so split decoding ran as "
+                   f"server-side speculation does (its {ratio:.2f}x is one prompt's noise)")
+    return (f"{outcome}; of the edge's drafts {d.used} were used, {d.late} came late and "
+            f"{d.wrong} were wrong. On this machine the server is a CPU: a tree forward costs "
+            f"several decoding steps (results log, verify_cost_q4), so it verifies small trees, "
+            f"and a draft costs a {rtt_ms:.0f} ms round trip, {rtt_ms / step_ms:.0f} of its "
+            f"{step_ms:.0f} ms steps, in which its own candidates move on. So on a CPU split "
+            f"decoding at best ties server-side speculation. It pays on a GPU node, where a tree "
+            f"of 64 nodes costs about one step and verifying the edges' drafts is drafting the "
+            f"server no longer does (docs/performance.md).")
 
 
 async def demo(server: str) -> int:
