@@ -136,6 +136,7 @@ def test_the_rehearsal_runs_end_to_end_and_a_rerun_resumes(tmp_path):
             path.unlink()
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["data"]["answer_tokens_now"] == 0  # every prompt already in a shard
-    assert set(record["eval"]) == {"run", "moa"}
-    assert all(r["lossless"][0] == r["lossless"][1] for r in record["eval"].values())
+    drafters = {k: v for k, v in record["eval"].items() if k != "wall_s"}
+    assert set(drafters) == {"run", "moa"}
+    assert all(r["lossless"][0] == r["lossless"][1] for r in drafters.values())
     assert (tmp_path / "LOG_entry.md").read_text().startswith("## scratch_drafter_run")
