@@ -3,7 +3,8 @@ acknowledgement), commit what the server verified, repeat; ride out a broken lin
 offline (the outage's timing: outages.py), then resume and let the server judge that text.
 What it reports: reporting.py.
 
-Knows the drafter and the link, not the CLI. The server is the authority on what is committed:
+Knows the link, not the CLI; what it drafts, and what a Verdict teaches the drafter:
+generation_drafts.py. The server is the authority on what is committed:
 the edge only ever appends the tokens a Verdict carries, and offline tokens stay apart until a
 Verdict confirms them (docs/architecture.md, Resume and offline mode).
 """
@@ -14,35 +15,24 @@ import contextlib
 import time
 from concurrent.futures import Executor
 from dataclasses import replace
-from typing import Callable, Sequence, TypeVar
 
 from shared.drafting.budget import TreeBudget
-from shared.drafting.base import Drafter, ReadsActivations
+from shared.drafting.base import Drafter
+from edge_client.generation_drafts import GenerationDrafts
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
 from edge_client.paced_drafts import DraftFollower, DraftSpacing
-from edge_client.offline import LinkPolicy, OfflinePolicy, draft_offline, reconcile
+from edge_client.offline import LinkPolicy
 from edge_client.outages import Outages
-from edge_client.pipelined_drafting import Speculation
 from edge_client.reporting import GenerationResult, Listener, SilentListener
-from shared.acceptance import AcceptanceMode
 from shared.drafting.race import Race
-from shared.draft_q import Proposal, point_masses
 from shared.messages import (
     ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened,
     Pace, Resume, Verdict,
 )
-from shared.sampling import RngStream, round_rng
 from shared.tree import DraftTree
 
-T = TypeVar("T")
 # How long a generation its caller gave up on waits for the server to end the session
 CLOSE_TIMEOUT_S = 2.0
-
-
-def fallback_tree(context: Sequence[int]) -> DraftTree:
-    """When a drafter has nothing, guess the last token repeats: the round still yields the
-    target's own token, at the cost of one extra node in the forward pass."""
-    return DraftTree.chain([context[-1]])
 
 
 async def _expect(stream: DecodeStream, kind: type | tuple[type, ...],
@@ -65,23 +55,16 @@ class SplitGeneration:
         it from one generation to the next on the same link (DraftSpacing.carried).
         `drafting`: where the drafter runs (None: on the event loop), so that generations
         sharing a loop do not wait for each other's drafting."""
-        self.link, self.drafter, self.request, self.budget = link, drafter, request, budget
-        self.drafting = drafting
+        self.link, self.drafter, self.request = link, drafter, request
         self.listener = listener or SilentListener()
         self.policy = policy
-        # offline tokens verified per round: the server refuses trees past its limits
-        self.max_chain = min(limits.max_tree_nodes, limits.max_tree_depth)
         self.spacing = spacing or DraftSpacing(reads_rows=request.acks_rows)
         self.result = GenerationResult()
+        self.drafts = GenerationDrafts(drafter, budget, self.result, self.listener, limits,
+                                       drafting)
         self.opened: Opened | None = None
         self.context: list[int] = []  # prompt + committed tokens
-        self.offline: list[int] = []  # unverified tokens continuing the context
-        self.rows_held = 0  # leading positions whose activation rows the drafter holds
         self.finish = FinishReason.NOT_FINISHED
-        self._ready_tree: DraftTree | None = None  # from a speculation that came true
-        self._speculation: Speculation | None = None  # drafted during a lock-step round
-        self._sent_at = 0.0  # when the last answer went (perf_counter)
-        self._checking_offline = False  # the last draft sent is offline text
         self.outages = Outages(policy, self.listener, self.result)
         self._answered_at: float | None = None  # when Done arrived
 
@@ -91,7 +74,8 @@ class SplitGeneration:
             try:
                 await self._stream(start)
             except ServerUnreachable as err:
-                if not await self.outages.ride_out(err, self.offline, self._draft_offline):
+                if not await self.outages.ride_out(err, self.drafts.offline,
+                                                   self._draft_offline):
                     break
         self.result.finish_reason = self.finish
         self.result.wall_s = (self._answered_at or time.perf_counter()) - start
@@ -125,7 +109,7 @@ class SplitGeneration:
         return replace(request, prompt_ids=o.prompt_ids, chat=None, acceptance=o.acceptance,
                        sampling=replace(self.request.sampling, seed=o.seed),
                        resume=Resume(o.session_id, tuple(self.context[len(o.prompt_ids):]),
-                                     self.rows_held))
+                                     self.drafts.rows_held))
 
     async def _open(self, stream: DecodeStream, start: float) -> None:
         resuming = self.opened is not None
@@ -141,11 +125,12 @@ class SplitGeneration:
         if resuming:
             self.result.reconnects += 1
             self.result.rebuilt_sessions += not opened.resumed
-            self._ready_tree = self._speculation = None
-            if self.offline:
+            self.drafts.resumed()
+            if self.drafts.offline:
                 self.listener.withdraw()
         else:
             self.opened = opened
+            self.drafts.opened(opened)
             self.context = list(opened.prompt_ids)
             self.result.prompt_ids = list(opened.prompt_ids)
             self.drafter.reset(self.context)
@@ -175,16 +160,17 @@ class SplitGeneration:
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
             if isinstance(verdict, ActivationRows):  # rows that trail a Verdict (wire.trailing)
-                await self._add_rows(verdict)
+                await self.drafts.add_rows(verdict)
                 # The server sends more as these are acknowledged; a resting edge wants none.
                 if self.request.acks_rows and not follower.spacing.resting:
                     await stream.send(follower.sent(self._acknowledgement()))
                 continue
-            self._learn(follower.verified(verdict, self.context), verdict, lockstep)
+            self.drafts.learn(self.context, follower.verified(verdict, self.context), verdict,
+                              lockstep)
             self.result.rounds += 1
             self.result.accepted_tokens += len(verdict.accepted_nodes)
             await self._commit(verdict)
-            self._take_speculation(verdict)
+            self.drafts.take_speculation(verdict)
             if self.finish is FinishReason.NOT_FINISHED:
                 await self._answer(stream, follower, verdict.answer_awaited)
 
@@ -197,140 +183,49 @@ class SplitGeneration:
         edge drafts the next one for the path it expects (pipelined_drafting.py)."""
         draft = self._acknowledgement(rows_paused=follower.spacing.resting)
         due = follower.due(self.context, self.result.link_slow)
-        if due and (self.offline or follower.spacing.chance()):
-            proposal, self._checking_offline = await self._next_tree()
+        if due and (self.drafts.offline or follower.spacing.chance()):
+            proposal = await self.drafts.next_tree(self.context)
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
         if follower.needless(draft, self._session.lead, awaited):
             return
-        self._sent_at = time.perf_counter()
+        self.drafts.sent()
         await stream.send(follower.sent(draft))
-        if (len(draft.tree) and self._session.pace is Pace.LOCKSTEP and self.policy.pipeline
-                and not self._checking_offline and not self._sampled_drafts):
-            self._speculation = await self._off_loop(Speculation.draft, self.drafter,
-                                                     self.context, draft.tree,
-                                                     self.budget.nodes())
+        if len(draft.tree) and self._session.pace is Pace.LOCKSTEP and self.policy.pipeline:
+            await self.drafts.speculate(self.context, draft.tree)
 
     def _acknowledgement(self, rows_paused: bool = False) -> DraftRequest:
         """A draft without nodes: the committed length, the rows the edge holds and whether it
         wants more of them now."""
         if not self.request.acks_rows:
             return DraftRequest(0, len(self.context), DraftTree((), ()))
-        return DraftRequest(0, len(self.context), DraftTree((), ()), rows_held=self.rows_held,
-                            rows_paused=rows_paused)
-
-    def _learn(self, tree: DraftTree | None, verdict: Verdict, lockstep: bool) -> None:
-        """What a Verdict teaches: `tree` is the edge's draft it verified, re-rooted at its
-        base (None: it verified none of the edge's nodes). The budget weighs a tree by the time
-        it held the text up: in lock-step the round trip, in a paced session (which the link
-        does not gate) its verify time alone. Offline text checked is not a drafted tree."""
-        if tree is None:
-            return
-        self.drafter.observe(self.context, tree, verdict.accepted_nodes, verdict.tokens)
-        if self._checking_offline:
-            return
-        held_ms = (1000 * (time.perf_counter() - self._sent_at) if lockstep
-                   else verdict.verify_ms)
-        self.budget.observe(len(tree), verdict.accepted_nodes, held_ms, verdict.verify_ms)
-
-    @property
-    def _sampled_drafts(self) -> bool:
-        return self._session.acceptance is AcceptanceMode.SAMPLED_DRAFTS
-
-    async def _next_tree(self) -> tuple[Proposal, bool]:
-        """The tree to send with the q its drafts were drawn from (acceptance sampled-drafts
-        only), and whether it is offline text being checked."""
-        if self.offline:
-            return self._with_q(Proposal(DraftTree.chain(self.offline[: self.max_chain]))), True
-        ready, self._ready_tree = self._ready_tree, None
-        if ready is not None:
-            return self._with_q(Proposal(ready)), False
-        start = time.perf_counter()
-        proposal = await self._off_loop(self._draft)
-        self.result.draft_s += time.perf_counter() - start
-        if not len(proposal.tree):
-            proposal = Proposal(fallback_tree(self.context))
-        return self._with_q(proposal), False
-
-    def _draft(self) -> Proposal:
-        """Under sampled-drafts the tree is drawn from q, keyed by the committed length."""
-        if not self._sampled_drafts:
-            return Proposal(self.drafter.propose(self.context, self.budget.nodes()))
-        rng = round_rng(self._session.seed, RngStream.DRAFT, len(self.context))
-        return self.drafter.propose_sampled(self.context, self.budget.nodes(), rng)
-
-    def _with_q(self, proposal: Proposal) -> Proposal:
-        """Under sampled-drafts, a chain chosen without drawing (offline text, the fallback
-        guess) goes with point masses as its q."""
-        if self._sampled_drafts and not proposal.q:
-            return Proposal(proposal.tree, point_masses(proposal.tree))
-        return proposal
-
-    def _take_speculation(self, verdict: Verdict) -> None:
-        """The tree drafted ahead during the round comes true when the Verdict took the path it
-        expected; it is then the next round's draft."""
-        speculation, self._speculation = self._speculation, None
-        if speculation is None:
-            return
-        self.result.speculations += 1
-        self._ready_tree = speculation.next_tree(verdict.tokens)
-        if self._ready_tree is not None:
-            self.result.speculation_hits += 1
-            self.result.hidden_draft_s += speculation.spent_s
+        return DraftRequest(0, len(self.context), DraftTree((), ()),
+                            rows_held=self.drafts.rows_held, rows_paused=rows_paused)
 
     async def _commit(self, verdict: Verdict) -> None:
         if verdict.committed_length != len(self.context) + len(verdict.tokens):
             raise LinkError(f"protocol error: server holds {verdict.committed_length} tokens, "
                             f"the edge {len(self.context) + len(verdict.tokens)}")
         if verdict.activations is not None:
-            await self._add_rows(verdict.activations)
+            await self.drafts.add_rows(verdict.activations)
         tokens = list(verdict.tokens)
         self.context.extend(tokens)
         self.result.output_ids.extend(tokens)
         self.result.verify_s += verdict.verify_ms / 1000
-        self.offline, rewound = reconcile(self.offline, tokens)
-        self.result.corrected_tokens += rewound
+        self.drafts.committed(tokens)
         self.finish = verdict.finish_reason
         if tokens:
             self.listener.committed(tokens)
 
-    async def _add_rows(self, rows: ActivationRows) -> None:
-        drafter = self.drafter
-        if not isinstance(drafter, ReadsActivations):
-            raise ValueError(f"the {drafter.name} drafter reads no activations")
-        await self._off_loop(drafter.add_activations, rows.start, rows.values)
-        self.rows_held = rows.start + len(rows.values)
-
     async def _draft_offline(self) -> None:
-        """Drafts on while the link is down (Outages.ride_out), as the policy allows."""
-        if self.opened is None or self.policy.offline is OfflinePolicy.WAIT:
+        """Drafts on while the link is down, up to the answer's length cap."""
+        if self.opened is None:
             return
-        room = self.policy.offline_limit - len(self.offline)
+        room = self.policy.offline_limit
         if self.request.max_new_tokens:
             generated = len(self.context) - len(self.opened.prompt_ids)
-            room = min(room, self.request.max_new_tokens - generated - len(self.offline))
-        if room <= 0:
-            return
-        start = time.perf_counter()
-        new = await self._off_loop(draft_offline, self.drafter, [*self.context, *self.offline],
-                                   room)
-        self.result.draft_s += time.perf_counter() - start
-        self.offline += new
-        self.result.offline_tokens += len(new)
-        if new:
-            self.listener.unverified(new)
-
-    async def _off_loop(self, fn: Callable[..., T], *args) -> T:
-        """Runs the drafter's work `fn(*args)` where `drafting` says: a generation's calls
-        stay in order, since each is awaited before the next."""
-        if self.drafting is None:
-            return fn(*args)
-        job = asyncio.get_running_loop().run_in_executor(self.drafting, fn, *args)
-        try:
-            return await asyncio.shield(job)
-        except asyncio.CancelledError:  # the drafter is not free for another until it ends
-            await asyncio.wait({job})
-            raise
+            room = self.request.max_new_tokens - generated
+        await self.drafts.draft_offline(self.context, room, self.policy)
 
 
 async def _close_abandoned(stream: DecodeStream) -> None:
