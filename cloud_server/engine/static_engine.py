@@ -51,9 +51,11 @@ class StaticEngine:
     exact_reference = False
 
     def __init__(self, model: Any, device: torch.device, plan: SlotPlan,
-                 graphs: type[Replay] | type[Rehearsal] | None, pad: bool | None = None):
+                 graphs: type[Replay] | type[Rehearsal] | None, pad: bool | None = None,
+                 buckets: Buckets | None = None):
         """`graphs`: Replay (CUDA graphs), Rehearsal (their contract on the CPU, tests) or
-        None (eager). `pad`: pad forwards to the buckets (default: with graphs)."""
+        None (eager). `pad`: pad forwards to the buckets (default: with graphs). `buckets`:
+        the forward shapes (default: the server's, for `plan`)."""
         self.model = model
         self.net = StaticLlama.of(model)
         self.device = device
@@ -61,7 +63,8 @@ class StaticEngine:
         config = model.config
         self.pool = SlotPool(config.num_hidden_layers, self.net.kv_heads, self.net.head_dim,
                              plan.sessions, plan.positions, self.net.dtype, device)
-        self.buckets = Buckets.up_to(plan.most_tree_nodes, plan.positions, plan.sessions)
+        self.buckets = buckets or Buckets.up_to(plan.most_tree_nodes, plan.positions,
+                                                plan.sessions)
         self._graph_kind = graphs
         self._pad = graphs is not None if pad is None else pad
         self._graphs: dict[tuple[Shape, tuple[int, ...]], Replay | Rehearsal | None] = {}

@@ -64,11 +64,10 @@ def answer_engine(model: Any, device: torch.device, sessions: int, positions: in
     two up to `sessions` as a session bucket (the server's buckets stop at 16 sessions; a
     batch of answers wants one forward for all). `graphs`: Replay (CUDA graphs, a GPU),
     Rehearsal (their contract on the CPU, tests) or None (eager)."""
-    engine = StaticEngine(model, device, SlotPlan(sessions, positions, 0), graphs)
     rows = sorted({min(1 << k, sessions) for k in range(sessions.bit_length() + 1)})
     contexts = Buckets.up_to(0, positions, 1).contexts
-    engine.buckets = Buckets(tuple(rows), (1, prompt_tokens), contexts)
-    return engine
+    return StaticEngine(model, device, SlotPlan(sessions, positions, 0), graphs,
+                        buckets=Buckets(tuple(rows), (1, prompt_tokens), contexts))
 
 
 class EngineAnswers:
