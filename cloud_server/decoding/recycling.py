@@ -33,13 +33,12 @@ import numpy as np
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal
 from shared.drafting.base import DrafterName, TextDrafter
-from shared.drafting.pld import PromptLookupDrafter
+from shared.drafting.pld import LOOKUP_NODES, PromptLookupDrafter, with_lookup
 from shared.drafting.trie import TokenTrie
 from shared.tree import ROOT, DraftTree
 
 TOP_K = 8  # successors kept per token (the paper's k)
 MAX_DEPTH = 8  # the deepest tree it grows, unless the server's limit is lower
-LOOKUP_NODES = 16  # prompt-lookup nodes merged into a tree at most, as MoA's (a quarter at most)
 NOT_A_SUCCESSOR = -1
 PRIOR_WEIGHT = 2.0  # pseudo-trials behind each rank's prior acceptance rate
 
@@ -84,10 +83,8 @@ class RecyclingDrafter(TextDrafter):
                 / (self._offered + PRIOR_WEIGHT))
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        budget = min(self.lookup_nodes, max_nodes // 4)
-        lookup = self._lookup.propose(context, budget) if budget else DraftTree((), ())
-        rest = max_nodes - len(lookup)
-        tree = self._trie(context, rest).best_tree(rest).merged(lookup, max_nodes)
+        tree = with_lookup(self._lookup, context, max_nodes, self.lookup_nodes,
+                           lambda room: self._trie(context, room).best_tree(room))
         self._last = (tree, self._ranks(tree, context[-1] if context else None))
         return tree
 

@@ -12,10 +12,8 @@ from typing import Sequence
 
 from edge_client.drafters.drafter_wrapper import DrafterWrapper, PooledDrafter
 from shared.draft_graph import breadth_first
-from shared.drafting.pld import PromptLookupDrafter
+from shared.drafting.pld import LOOKUP_NODES, PromptLookupDrafter, with_lookup
 from shared.tree import DraftTree
-
-LOOKUP_NODES = 16  # prompt-lookup nodes merged into each tree (benchmarks/moa_tau.py)
 
 
 class LookupMerge(DrafterWrapper[PooledDrafter]):
@@ -35,7 +33,6 @@ class LookupMerge(DrafterWrapper[PooledDrafter]):
         self.drafter.reset(prompt)
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
-        budget = min(self.nodes, max_nodes // 4)
-        lookup = self._lookup.propose(context, budget) if budget > 0 else DraftTree((), ())
-        tree = self.drafter.propose(context, max_nodes - len(lookup)).merged(lookup, max_nodes)
+        tree = with_lookup(self._lookup, context, max_nodes, self.nodes,
+                           lambda room: self.drafter.propose(context, room))
         return breadth_first(tree) if self.graphs else tree

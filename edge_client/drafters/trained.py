@@ -7,7 +7,8 @@ from pathlib import Path
 
 from edge_client.drafters.drafter_wrapper import PooledDrafter
 from edge_client.drafters.falcon import FalconDrafter
-from edge_client.drafters.lookup_merge import LOOKUP_NODES, LookupMerge
+from edge_client.drafters.lookup_merge import LookupMerge
+from shared.drafting.pld import LOOKUP_NODES
 from edge_client.drafters.moa import MoaDrafter
 from edge_client.drafters.moa_graphs import MoaGraphs
 from edge_client.drafters.race_aware import RaceAware

@@ -8,7 +8,7 @@ Needs no model and learns nothing from verdicts beyond the committed text itself
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -91,3 +91,16 @@ class PromptLookupDrafter(TextDrafter):
                     seen.add(end)
                     found.append((n, end))
         return found
+
+
+LOOKUP_NODES = 16  # prompt-lookup nodes merged into another drafter's tree at most (moa_tau)
+
+
+def with_lookup(lookup: PromptLookupDrafter, context: Sequence[int], max_nodes: int,
+                nodes: int, draft: Callable[[int], DraftTree]) -> DraftTree:
+    """`draft(room)`'s tree with up to `nodes` prompt-lookup nodes merged in, a quarter of
+    `max_nodes` at most: copying is what a small drafter predicts worst and n-gram lookup
+    best (REST, He et al., arXiv 2311.08252). The drafter gets the rest of the budget."""
+    budget = min(nodes, max_nodes // 4)
+    found = lookup.propose(context, budget) if budget > 0 else DraftTree((), ())
+    return draft(max_nodes - len(found)).merged(found, max_nodes)
