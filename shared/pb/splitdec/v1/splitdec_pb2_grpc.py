@@ -75,7 +75,9 @@ class SplitDecodingServicer:
 
     def Decode(self, request_iterator, context):
         """One stream per generation: Open, then Draft after Draft, then Close.
-        The server answers Opened, one Verdict per Draft (round 0 answers the prefill), and Done.
+        The server answers Opened, then Verdicts (round 0 answers the prefill), then Done. At
+        PACE_LOCKSTEP one Verdict answers each Draft; at PACE_SERVER and PACE_AUTO one Verdict
+        reports each forward pass, whether or not it verified a Draft (Verdict.draft_id).
         Errors end the stream with a gRPC status and a message; the server keeps serving others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
