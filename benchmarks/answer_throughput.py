@@ -13,7 +13,7 @@ measured on this CPU in answer tokens per forward-second, and projected for an H
    graph, the head and the argmax, and copies the tokens back (~0.1 ms, added).
 3. The projection: an H100 step at B sessions = host(B) + launch floor + bytes / bandwidth
    (the arithmetic in the table's notes; `static_steps_cpu` for the floor). A projection, not a
-   measurement: scripts/gpu_check.sh's successor measures it.
+   measurement: `benchmarks.drafter_run --sizes h100 --device cuda` measures it.
 
     python -m benchmarks.answer_throughput [--batches 16,64] [--prompts-per-batch 2]
 """
@@ -36,8 +36,8 @@ WEIGHT_BYTES = 270e6
 KV_BYTES_PER_POSITION = 30 * 2 * 3 * 64 * 2  # layers x (K, V) x kv heads x head_dim x bf16
 KV_PASSES = 3  # the engine gathers each row's slot (a read and a write), then SDPA reads it
 PREFILL_FLOPS_PER_TOKEN = 2 * 135e6
-EFFECTIVE_FLOPS = 400e12
-HOST_IN_FORWARD_MS = 0.1  # a replay, the head, the argmax, the tokens' copy back  # bf16, a dense product of thousands of rows at ~40% of peak
+EFFECTIVE_FLOPS = 400e12  # bf16, a dense product of thousands of rows at ~40% of peak
+HOST_IN_FORWARD_MS = 0.1  # a replay, the head, the argmax, the tokens' copy back
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
