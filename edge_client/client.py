@@ -1,7 +1,7 @@
 """What the CLI and batch mode share: connect, check the server, fetch the tokenizer, generate."""
 from __future__ import annotations
 
-import copy
+import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -12,7 +12,6 @@ from shared.drafting.budget import TreeBudget
 from edge_client.drafter_source import (
     TRAINED, TreeShape, drafter_pool, resolve_drafter, sampling_acceptance,
 )
-from edge_client.paced_drafts import DraftSpacing
 from edge_client.generate import split_generate
 from edge_client.reporting import GenerationResult, Listener
 from edge_client.link import LinkConfig, LinkError, ServerLink
@@ -94,8 +93,7 @@ class EdgeClient:
         self.link = ServerLink(address, config)
         self._info: ServerInfo | None = None
         self._tokenizer: Tokenizer | None = None
-        # Whether the next generation starts resting (DraftSpacing.carried)
-        self._spacing = DraftSpacing()
+        self._rtt_s = 0.0  # the link's round trip, as last measured (Open.rtt_ms)
 
     @property
     def info(self) -> ServerInfo:
@@ -114,6 +112,9 @@ class EdgeClient:
         if info.protocol_version != PROTOCOL_VERSION:
             raise LinkError(f"server speaks protocol v{info.protocol_version}, "
                             f"this client v{PROTOCOL_VERSION}")
+        start = time.perf_counter()  # the channel is up: a second Info times the link alone
+        await self.link.info()
+        self._rtt_s = time.perf_counter() - start
         self._tokenizer = await load_tokenizer(self.link, info)
         if self.options.draft_graphs and not info.draft_graphs:
             raise LinkError(f"the server at {self.link.address} does not unroll draft graphs: "
@@ -127,7 +128,6 @@ class EdgeClient:
                                                 self.options.draft_graphs,
                                                 self.options.race_aware, self.options.tree)
             self.options = replace(self.options, drafter=drafter)
-            self._spacing = DraftSpacing(reads_rows=self._drafters.needs_activations)
         gc_freeze.freeze_loaded()  # the tokenizer and drafters: no pass walks them again
         return self
 
@@ -144,14 +144,14 @@ class EdgeClient:
             return await server_generate(self.link, request, self.options.mode, listener,
                                          self.options.server_drafter)
         if self._drafters.needs_activations:
-            request = replace(request, activations=self.options.activation_format,
-                              trailing_rows=True, acks_rows=True)
-        spacing = copy.copy(self._spacing)  # generations at once each keep their own
+            request = replace(request, activations=self.options.activation_format)
+        # the server's pace starts from it: on a link too slow for drafts, no rows cross
+        request = replace(request, rtt_ms=max(1, round(1000 * self._rtt_s)))
         with self._drafters.checkout() as drafter:
             result = await split_generate(
                 self.link, drafter, request, self.budget(), listener, self.options.link_policy,
-                self.info.limits, spacing, self.drafting)
-        self._spacing = spacing.carried(result.link_outpaced, result.rtt_s)
+                self.info.limits, self.drafting)
+        self._rtt_s = result.rtt_s or self._rtt_s
         return result
 
     def decode(self, ids: list[int]) -> str:

@@ -1,5 +1,6 @@
-"""The edge's generation loop: answer each Verdict (a draft, or in a paced session maybe only an
-acknowledgement), commit what the server verified, repeat; ride out a broken link by drafting
+"""The edge's generation loop: answer each Verdict as it says (Verdict.next: a draft, or in a paced
+session an acknowledgement now and then while the server says rest), commit what the server
+verified, repeat; ride out a broken link by drafting
 offline (the outage's timing: outages.py), then resume and let the server judge that text.
 What it reports: reporting.py.
 
@@ -20,14 +21,14 @@ from shared.drafting.budget import TreeBudget
 from shared.drafting.base import Drafter
 from edge_client.generation_drafts import GenerationDrafts
 from edge_client.link import DecodeStream, LinkError, ServerLink, ServerUnreachable
-from edge_client.paced_drafts import DraftFollower, DraftSpacing
+from edge_client.paced_drafts import DraftFollower
 from edge_client.offline import LinkPolicy
 from edge_client.outages import Outages
 from edge_client.reporting import GenerationResult, Listener, SilentListener
 from shared.drafting.race import Race
 from shared.messages import (
-    ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, OpenRequest, Opened,
-    Pace, Resume, Verdict,
+    ActivationRows, CloseRequest, Done, DraftRequest, FinishReason, Limits, Next, OpenRequest,
+    Opened, Pace, Resume, Verdict,
 )
 from shared.tree import DraftTree
 
@@ -50,21 +51,20 @@ class SplitGeneration:
     def __init__(self, link: ServerLink, drafter: Drafter, request: OpenRequest,
                  budget: TreeBudget, listener: Listener | None = None,
                  policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                 spacing: DraftSpacing | None = None, drafting: Executor | None = None):
-        """`spacing`: paced sessions, whether the edge rests from drafting; the client carries
-        it from one generation to the next on the same link (DraftSpacing.carried).
-        `drafting`: where the drafter runs (None: on the event loop), so that generations
+                 drafting: Executor | None = None):
+        """`drafting`: where the drafter runs (None: on the event loop), so that generations
         sharing a loop do not wait for each other's drafting."""
         self.link, self.drafter, self.request = link, drafter, request
         self.listener = listener or SilentListener()
         self.policy = policy
-        self.spacing = spacing or DraftSpacing(reads_rows=request.acks_rows)
         self.result = GenerationResult()
         self.drafts = GenerationDrafts(drafter, budget, self.result, self.listener, limits,
                                        drafting)
         self.opened: Opened | None = None
         self.context: list[int] = []  # prompt + committed tokens
         self.finish = FinishReason.NOT_FINISHED
+        self.told: Next | None = None  # what the latest Verdict told the edge to do
+        self._owed = False  # a draft the latest Verdict asked for waits for its rows
         self.outages = Outages(policy, self.listener, self.result)
         self._answered_at: float | None = None  # when Done arrived
 
@@ -101,8 +101,9 @@ class SplitGeneration:
             self.result.bytes_down += stream.bytes_down
 
     def _open_request(self) -> OpenRequest:
-        request = replace(self.request, rows_paused=self.request.acks_rows
-                          and self.spacing.resting)
+        request = self.request
+        if self.result.rtt_s:  # a resume: the round trip measured at the first Open
+            request = replace(request, rtt_ms=max(1, round(1000 * self.result.rtt_s)))
         if self.opened is None:
             return request
         o = self.opened
@@ -149,58 +150,57 @@ class SplitGeneration:
         return self.opened
 
     async def _decode(self, stream: DecodeStream) -> None:
-        """Answers each Verdict until the generation ends: with a draft from the new committed
-        position, or, in a paced session, only an acknowledgement while its last draft still
-        continues the text (the server re-roots it) or the edge rests. In lock-step every
-        answer is a draft: the server waits for it, and the edge never rests."""
-        lockstep = self._session.pace is Pace.LOCKSTEP
-        spacing = DraftSpacing(self.spacing.reads_rows, rests=False) if lockstep else self.spacing
-        follower = DraftFollower(spacing, self.result.drafts)
-        await self._answer(stream, follower, awaited=True)
+        """Answers each Verdict as it says until the generation ends (`_answer`). Rows that
+        trail a Verdict are acknowledged, so that the server sends more, and a draft that
+        waited for them goes once they are in."""
+        follower = DraftFollower(self.result.drafts)
+        await self._answer(stream, follower)
         while self.finish is FinishReason.NOT_FINISHED:
             verdict = await _expect(stream, (Verdict, ActivationRows))
             if isinstance(verdict, ActivationRows):  # rows that trail a Verdict (wire.trailing)
                 await self.drafts.add_rows(verdict)
-                # The server sends more as these are acknowledged; a resting edge wants none.
-                if self.request.acks_rows and not follower.spacing.resting:
-                    await stream.send(follower.sent(self._acknowledgement()))
+                if self._owed and self.drafts.rows_in(self.context):
+                    await self._answer(stream, follower)
+                else:  # it acknowledges the rows, not a Verdict: the base the edge last sent
+                    await stream.send(follower.sent(replace(
+                        self._acknowledgement(), base_length=follower.last_base)))
                 continue
             self.drafts.learn(self.context, follower.verified(verdict, self.context), verdict,
-                              lockstep)
+                              self._session.pace is Pace.LOCKSTEP)
             self.result.rounds += 1
             self.result.accepted_tokens += len(verdict.accepted_nodes)
             await self._commit(verdict)
             self.drafts.take_speculation(verdict)
             if self.finish is FinishReason.NOT_FINISHED:
-                await self._answer(stream, follower, verdict.answer_awaited)
+                await self._answer(stream, follower)
 
-    async def _answer(self, stream: DecodeStream, follower: "DraftFollower",
-                      awaited: bool) -> None:
-        """Drafts when one is due and drafts pay (paced_drafts.py, DraftSpacing); offline text goes
-        at once, since the server checks it only as a draft. Else only acknowledges, and only
-        now and then where the edge rests or the server does not wait for the answer
-        (`awaited`; DraftFollower.needless). While a lock-step server verifies a draft, the
-        edge drafts the next one for the path it expects (pipelined_drafting.py)."""
-        draft = self._acknowledgement(rows_paused=follower.spacing.resting)
-        due = follower.due(self.context, self.result.link_slow)
-        if due and (self.drafts.offline or follower.spacing.chance()):
+    async def _answer(self, stream: DecodeStream, follower: DraftFollower) -> None:
+        """Told to rest, acknowledges now and then (DraftFollower.needless). Told to draft,
+        sends offline text to check, or a fresh draft once the rows it reads are in, or only
+        an acknowledgement while the last draft still continues the text (the server re-roots
+        it). While a lock-step server verifies a draft, the edge drafts the next one for the
+        path it expects (pipelined_drafting.py)."""
+        draft, self._owed = self._acknowledgement(), False
+        if self.told is Next.REST:
+            if not follower.needless(draft, self._session.lead):
+                await stream.send(follower.sent(draft))
+            return
+        if follower.due(self.context):
+            if not self.drafts.offline and not self.drafts.rows_in(self.context):
+                self._owed = True  # the rows trail the Verdict: drafted when they are in
+                return
             proposal = await self.drafts.next_tree(self.context)
             self.result.drafted_tokens += len(proposal.tree)
             draft = replace(draft, tree=proposal.tree, q=proposal.q)
-        if follower.needless(draft, self._session.lead, awaited):
-            return
         self.drafts.sent()
         await stream.send(follower.sent(draft))
         if len(draft.tree) and self._session.pace is Pace.LOCKSTEP and self.policy.pipeline:
             await self.drafts.speculate(self.context, draft.tree)
 
-    def _acknowledgement(self, rows_paused: bool = False) -> DraftRequest:
-        """A draft without nodes: the committed length, the rows the edge holds and whether it
-        wants more of them now."""
-        if not self.request.acks_rows:
-            return DraftRequest(0, len(self.context), DraftTree((), ()))
+    def _acknowledgement(self) -> DraftRequest:
+        """A draft without nodes: the committed length and the rows the edge holds."""
         return DraftRequest(0, len(self.context), DraftTree((), ()),
-                            rows_held=self.drafts.rows_held, rows_paused=rows_paused)
+                            rows_held=self.drafts.rows_held)
 
     async def _commit(self, verdict: Verdict) -> None:
         if verdict.committed_length != len(self.context) + len(verdict.tokens):
@@ -213,7 +213,8 @@ class SplitGeneration:
         self.result.output_ids.extend(tokens)
         self.result.verify_s += verdict.verify_ms / 1000
         self.drafts.committed(tokens)
-        self.finish = verdict.finish_reason
+        self.finish, self.told = verdict.finish_reason, verdict.next
+        self.drafts.server_nodes = verdict.draft_nodes
         if tokens:
             self.listener.committed(tokens)
 
@@ -239,8 +240,7 @@ async def _close_abandoned(stream: DecodeStream) -> None:
 async def split_generate(link: ServerLink, drafter: Drafter, request: OpenRequest,
                          budget: TreeBudget, listener: Listener | None = None,
                          policy: LinkPolicy = LinkPolicy(), limits: Limits = Limits(),
-                         spacing: DraftSpacing | None = None,
                          drafting: Executor | None = None) -> GenerationResult:
     """Runs one generation to its end (see SplitGeneration)."""
     return await SplitGeneration(link, drafter, request, budget, listener, policy, limits,
-                                 spacing, drafting).run()
+                                 drafting).run()

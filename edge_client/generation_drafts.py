@@ -18,7 +18,7 @@ from edge_client.pipelined_drafting import Speculation
 from edge_client.reporting import GenerationResult, Listener
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal, point_masses
-from shared.drafting.base import Drafter, ReadsActivations
+from shared.drafting.base import Drafter, ReadsActivations, reads_activations
 from shared.drafting.budget import TreeBudget
 from shared.messages import ActivationRows, Limits, Opened, Verdict
 from shared.sampling import RngStream, round_rng
@@ -47,6 +47,7 @@ class GenerationDrafts:
         self._ready_tree: DraftTree | None = None  # from a speculation that came true
         self._speculation: Speculation | None = None  # drafted during a lock-step round
         self._sent_at = 0.0  # when the last tree went (perf_counter)
+        self.server_nodes = 0  # the size the latest Verdict gave the next draft (0: none)
 
     def opened(self, session: Opened) -> None:
         """The session's acceptance rule and seed, which sampled drafts follow."""
@@ -77,6 +78,15 @@ class GenerationDrafts:
             proposal = Proposal(fallback_tree(context))
         return self._with_q(proposal)
 
+    def nodes(self) -> int:
+        """The next draft's size: a paced server's (Verdict.draft_nodes: one budget sizes the
+        draft and the forward that verifies it), capped by a size the user fixed; else the
+        edge's own budget (lock-step)."""
+        server, fixed = self.server_nodes, self.budget.fixed
+        if not server:
+            return self.budget.nodes()
+        return server if fixed is None else min(server, fixed)
+
     def sent(self) -> None:
         self._sent_at = time.perf_counter()
 
@@ -86,7 +96,7 @@ class GenerationDrafts:
         if self.checking_offline or self.sampled:
             return
         self._speculation = await self.off_loop(Speculation.draft, self.drafter, context, tree,
-                                                self.budget.nodes())
+                                                self.nodes())
 
     def take_speculation(self, verdict: Verdict) -> None:
         """The tree drafted ahead during the round comes true when the Verdict took the path it
@@ -103,22 +113,27 @@ class GenerationDrafts:
     def learn(self, context: Sequence[int], tree: DraftTree | None, verdict: Verdict,
               lockstep: bool) -> None:
         """What a Verdict teaches: `tree` is the edge's draft it verified, re-rooted at its
-        base (None: it verified none of the edge's nodes). The budget weighs a tree by the time
-        it held the text up: in lock-step the round trip, in a paced session (which the link
-        does not gate) its verify time alone. Offline text checked is not a drafted tree."""
+        base (None: it verified none of the edge's nodes). In lock-step the edge's budget sizes
+        its trees, weighing each by the round trip it held the text up; a paced server sizes
+        them itself (Verdict.draft_nodes). Offline text checked is not a drafted tree."""
         if tree is None:
             return
         self.drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
-        if self.checking_offline:
+        if self.checking_offline or not lockstep:
             return
-        held_ms = (1000 * (time.perf_counter() - self._sent_at) if lockstep
-                   else verdict.verify_ms)
+        held_ms = 1000 * (time.perf_counter() - self._sent_at)
         self.budget.observe(len(tree), verdict.accepted_nodes, held_ms, verdict.verify_ms)
 
     def committed(self, tokens: Sequence[int]) -> None:
         """The server committed `tokens`: the offline text keeps what they confirm."""
         self.offline, rewound = reconcile(self.offline, list(tokens))
         self.result.corrected_tokens += rewound
+
+    def rows_in(self, context: Sequence[int]) -> bool:
+        """The drafter holds what it reads to draft from `context`: a drafter fed the
+        server's rows needs every position's but the newest token's (its row comes with
+        the next Verdict)."""
+        return not reads_activations(self.drafter) or self.rows_held >= len(context) - 1
 
     async def add_rows(self, rows: ActivationRows) -> None:
         drafter = self.drafter
@@ -145,9 +160,9 @@ class GenerationDrafts:
     def _draft(self, context: Sequence[int]) -> Proposal:
         """Under sampled-drafts the tree is drawn from q, keyed by the committed length."""
         if not self.sampled or self._session is None:
-            return Proposal(self.drafter.propose(context, self.budget.nodes()))
+            return Proposal(self.drafter.propose(context, self.nodes()))
         rng = round_rng(self._session.seed, RngStream.DRAFT, len(context))
-        return self.drafter.propose_sampled(context, self.budget.nodes(), rng)
+        return self.drafter.propose_sampled(context, self.nodes(), rng)
 
     def _with_q(self, proposal: Proposal) -> Proposal:
         """Under sampled-drafts, a chain chosen without drawing (offline text, the fallback

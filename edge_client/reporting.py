@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from edge_client.paced_drafts import DraftOutcomes
-from shared.messages import AUTO_LONGEST_WAIT, FinishReason, Pace
+from shared.messages import FinishReason, Pace
 
 
 @dataclass
@@ -42,8 +42,7 @@ class GenerationResult:
     unverified_ids: list[int] = field(default_factory=list)  # kept unverified (policy keep)
     server_only: bool = False  # a baseline: one server-streaming call, no drafts (server_only.py)
     rtt_s: float = 0.0  # the link's round trip, from the first Open (the server's own time off)
-    # Split decoding: the pace the session ran, as Opened said (the server resolves the one
-    # asked: auto is server pace for a drafter that reads no activations, PacingPolicy.resolve)
+    # Split decoding: the pace the session ran, as Opened said (PacingPolicy.resolve)
     pace: Pace | None = None
     drafts: DraftOutcomes = field(default_factory=DraftOutcomes)  # paced sessions only
 
@@ -55,31 +54,9 @@ class GenerationResult:
     @property
     def server_calls(self) -> int:
         """Messages the edge sent the server: a baseline's one request, or everything sent on
-        the Decode streams (in lock-step an Open, one Draft a round and a Close; paced, a
-        resting edge answers only now and then, edge_client/paced_drafts.py)."""
+        the Decode streams (in lock-step an Open, one Draft a round and a Close; paced, an
+        edge the server told to rest answers only now and then, edge_client/paced_drafts.py)."""
         return 1 if self.server_only else self.messages_up
-
-    @property
-    def link_outpaced(self) -> bool:
-        """The link's round trip is longer than the server's mean time per forward: a draft
-        sent on a Verdict arrives after the next forward has begun."""
-        return self._round_trip_past(1.0)
-
-    @property
-    def link_slow(self) -> bool:
-        """The link's round trip is longer than the longest wait auto pace gives the edge's
-        answer, a share of the server's mean time per forward (AUTO_LONGEST_WAIT): no
-        draft sent on a Verdict is waited for, so one the server overtook came too late by the
-        link, not by the server's choice."""
-        return self._round_trip_past(AUTO_LONGEST_WAIT)
-
-    def _round_trip_past(self, forwards: float) -> bool:
-        """The round trip is longer than `forwards` of the server's mean forward after the
-        prefill: a prompt's prefill takes several forwards' time, and counted in the mean it
-        kept a `5g` link below auto's longest wait early in a generation."""
-        if self.rounds == 0:
-            return False
-        return self.rtt_s > forwards * (self.verify_s - self.prefill_s) / self.rounds
 
     @property
     def tokens_per_s(self) -> float:

@@ -14,7 +14,7 @@ from shared.draft_q import NodeQ
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # Open.protocol_version: 2 since the server owns the pace
 
 
 class FinishReason(enum.Enum):
@@ -41,10 +41,11 @@ class Pace(enum.Enum):
     AUTO = "auto"  # as server, waiting for a draft in flight while that is worth it
 
 
-# Pace AUTO waits for the client's answer at most this share of a forward (a wait that times
-# out is pure loss): the server caps its waits so, and the edge knows that a draft on a link
-# whose round trip passes it is never waited for
-AUTO_LONGEST_WAIT = 0.5
+class Next(enum.Enum):
+    """What a Decode Verdict tells the client to do next (docs/architecture.md, "Pacing")."""
+
+    DRAFT = 1  # answer with a draft from this Verdict (or an ack if the last one still fits)
+    REST = 2  # draft nothing; acknowledge only as the lead needs
 
 
 class ActivationFormat(enum.Enum):
@@ -126,9 +127,8 @@ class OpenRequest:
     activations: ActivationFormat | None = None  # a drafter fed by the server half asks
     pace: Pace | None = None  # None: the server's default
     lead: int = 0  # tokens the server may run past the client's acknowledgement; 0: default
-    trailing_rows: bool = False  # the client reads rows that follow a paced Verdict (wire.py)
-    acks_rows: bool = False  # ... and acknowledges them (DraftRequest.rows_held)
-    rows_paused: bool = False  # ... and wants none until a draft says otherwise
+    protocol_version: int = PROTOCOL_VERSION  # the server refuses any other
+    rtt_ms: int = 0  # the client's latest round trip to the server (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,7 @@ class DraftRequest:
     base_length: int
     tree: DraftTree
     q: tuple[NodeQ, ...] = ()  # acceptance sampled-drafts only
-    rows_held: int | None = None  # OpenRequest.acks_rows: activation rows the edge holds
-    rows_paused: bool = False  # OpenRequest.acks_rows: send no rows until a draft without this
+    rows_held: int | None = None  # activation rows the edge holds (row flow control)
 
 
 @dataclass(frozen=True)
@@ -180,12 +179,8 @@ class Verdict:
     # accepted_nodes index it re-rooted at this Verdict's base (shared/rerooting.py).
     draft_id: int = 0
     more: bool = False  # a part: the next Verdict continues its activations (wire.py)
-    # Paced sessions: the server may wait for the answer to this Verdict (pacing.AutoPace);
-    # else a mere acknowledgement may stay unsent (edge_client/paced_drafts.py)
-    answer_awaited: bool = False
-    # Paced sessions: the server's own candidates had every token of the draft's accepted
-    # nodes (cloud_server/decoding/forward_builder.py); a text-only edge rests after a few (paced_drafts.py)
-    draft_redundant: bool = False
+    next: Next | None = None  # Decode sessions: what the client does next (None: Generate)
+    draft_nodes: int = 0  # paced, with next DRAFT: the most nodes a forward verifies of it
 
     @property
     def base_length(self) -> int:

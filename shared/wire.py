@@ -15,7 +15,7 @@ from shared.draft_graph import DraftGraph, fold
 from shared.messages import (
     ActivationFormat, ActivationRows, ArtifactInfo, ArtifactKind, ChatMessage, ClientMessage,
     CloseRequest, Done, DraftRequest, FinishReason, GenerateRequest, Limits, OpenRequest, Opened,
-    Pace, Resume, ServerInfo, ServerMessage, Verdict,
+    Next, Pace, Resume, ServerInfo, ServerMessage, Verdict,
 )
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.sampling import SamplingParams
@@ -39,6 +39,7 @@ class _EnumWire(Generic[E]):
 ACCEPTANCE = _EnumWire(AcceptanceMode, pb.AcceptanceMode, "ACCEPTANCE_MODE")
 ACTIVATIONS = _EnumWire(ActivationFormat, pb.ActivationFormat, "ACTIVATION_FORMAT")
 PACE = _EnumWire(Pace, pb.Pace, "PACE")
+NEXT = _EnumWire(Next, pb.Next, "NEXT")
 
 
 def _to_proto(wire: _EnumWire[E], value: E | None) -> str:
@@ -96,8 +97,7 @@ def _open_to_proto(msg: OpenRequest) -> pb.Open:
                        stop_token_ids=msg.stop_token_ids, stop_strings=msg.stop_strings,
                        activations=_to_proto(ACTIVATIONS, msg.activations),
                        pace=_to_proto(PACE, msg.pace), lead=msg.lead,
-                       trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows,
-                       rows_paused=msg.rows_paused)
+                       protocol_version=msg.protocol_version, rtt_ms=msg.rtt_ms)
     if msg.chat is not None:
         open_msg.chat.messages.extend(
             pb.ChatMessage(role=m.role, content=m.content) for m in msg.chat)
@@ -139,8 +139,7 @@ def draft_to_proto(msg: DraftRequest, graphs: bool) -> pb.Draft:
     return pb.Draft(round_id=msg.round_id, base_length=msg.base_length,
                     tokens=graph.tree.tokens, parents=graph.tree.parents,
                     q=[pb.DraftQ(node=q.node, tokens=q.tokens, probs=q.probs) for q in msg.q],
-                    alias_nodes=aliases[0], alias_targets=aliases[1], rows_held=msg.rows_held,
-                    rows_paused=msg.rows_paused)
+                    alias_nodes=aliases[0], alias_targets=aliases[1], rows_held=msg.rows_held)
 
 
 def client_from_proto(msg: pb.ClientMessage, max_tree_nodes: int) -> ClientMessage:
@@ -152,7 +151,7 @@ def client_from_proto(msg: pb.ClientMessage, max_tree_nodes: int) -> ClientMessa
         d = msg.draft
         q = tuple(NodeQ(q.node, tuple(q.tokens), tuple(q.probs)) for q in d.q)
         return DraftRequest(d.round_id, d.base_length, _unrolled(d, bool(q), max_tree_nodes), q,
-                            d.rows_held if d.HasField("rows_held") else None, d.rows_paused)
+                            d.rows_held if d.HasField("rows_held") else None)
     if kind == "close":
         return CloseRequest()
     raise InvalidRequest("client message has no open, draft or close")
@@ -179,8 +178,7 @@ def _open_from_proto(msg: pb.Open) -> OpenRequest:
                   resume=_resume_from_proto(msg.resume) if msg.HasField("resume") else None,
                   activations=_from_proto(ACTIVATIONS, msg.activations),
                   pace=_from_proto(PACE, msg.pace), lead=msg.lead,
-                  trailing_rows=msg.trailing_rows, acks_rows=msg.acks_rows,
-                  rows_paused=msg.rows_paused)
+                  protocol_version=msg.protocol_version, rtt_ms=msg.rtt_ms)
     which = msg.WhichOneof("prompt")
     if which == "chat":
         return OpenRequest(chat=tuple(ChatMessage(m.role, m.content) for m in msg.chat.messages),
@@ -223,8 +221,8 @@ def server_to_proto(msg: ServerMessage) -> pb.ServerMessage:
             committed_length=msg.committed_length,
             finish_reason=pb.FinishReason.Name(msg.finish_reason.value),
             timings=pb.ServerTimings(queue_ms=msg.queue_ms, verify_ms=msg.verify_ms),
-            draft_id=msg.draft_id, more=msg.more, answer_awaited=msg.answer_awaited,
-            draft_redundant=msg.draft_redundant)
+            draft_id=msg.draft_id, more=msg.more, next=_to_proto(NEXT, msg.next),
+            draft_nodes=msg.draft_nodes)
         if msg.activations is not None:
             verdict.activations.CopyFrom(_activations_to_proto(msg.activations))
         return pb.ServerMessage(verdict=verdict)
@@ -320,6 +318,15 @@ def _activations_from_proto(msg: pb.Activations) -> ActivationRows:
     return ActivationRows(msg.start, values.astype(np.float32), fmt)
 
 
+def _next_from_proto(value: int) -> Next | None:
+    """A Verdict's `next`; one this client does not know is a protocol error (ValueError),
+    never a guess at what the server wants."""
+    try:
+        return _from_proto(NEXT, value)
+    except InvalidRequest as err:
+        raise ValueError(f"{err}: the server speaks a newer protocol") from None
+
+
 def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
     kind = msg.WhichOneof("kind")
     if kind == "opened":
@@ -332,7 +339,7 @@ def server_from_proto(msg: pb.ServerMessage) -> ServerMessage:
         return Verdict(v.round_id, tuple(v.accepted_nodes), tuple(v.tokens), v.committed_length,
                        FinishReason(v.finish_reason), v.timings.queue_ms, v.timings.verify_ms,
                        _activations_from_proto(v.activations) if v.HasField("activations")
-                       else None, v.draft_id, v.more, v.answer_awaited, v.draft_redundant)
+                       else None, v.draft_id, v.more, _next_from_proto(v.next), v.draft_nodes)
     if kind == "done":
         d = msg.done
         return Done(FinishReason(d.finish_reason), d.generated_tokens, d.rounds)

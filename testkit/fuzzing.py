@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import LinkError
+from shared.messages import PROTOCOL_VERSION
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 
@@ -37,6 +38,8 @@ ids = st.one_of(st.integers(-3, 330), st.sampled_from([-2**31, 2**31 - 1, 0, 1, 
 uint32 = st.one_of(st.integers(0, 70), st.sampled_from([2**32 - 1, 2**31, 4096, 100_000]))
 floats = st.floats(width=32, allow_nan=True, allow_infinity=True)
 enums = st.integers(0, 7)  # past the last value too: proto3 keeps unknown enum numbers
+# Mostly this protocol's version, so that Opens get past the version check to the rest
+versions = st.one_of(st.just(PROTOCOL_VERSION), st.just(PROTOCOL_VERSION), uint32)
 # Strings a protobuf library can serialize (no lone surrogates); raw bytes are mutated below.
 texts = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
 
@@ -45,6 +48,7 @@ texts = st.text(st.characters(exclude_categories=("Cs",)), max_size=20)
 def opens(draw) -> pb.Open:
     msg = pb.Open(max_new_tokens=draw(uint32), acceptance=draw(enums),
                   activations=draw(enums), pace=draw(enums), lead=draw(uint32),
+                  protocol_version=draw(versions), rtt_ms=draw(uint32),
                   stop_token_ids=draw(st.lists(ids, max_size=3)),
                   stop_strings=draw(st.lists(texts, max_size=3)),
                   sampling=pb.Sampling(temperature=draw(floats), top_k=draw(uint32),
@@ -86,7 +90,8 @@ def plausible_starts(draw) -> list[pb.ClientMessage]:
     msg = pb.Open(input_ids=pb.TokenIds(ids=prompt), max_new_tokens=new,
                   sampling=pb.Sampling(temperature=draw(st.sampled_from([0.0, 0.7]))),
                   acceptance=draw(st.integers(0, 4)), pace=draw(st.integers(0, 3)),
-                  lead=draw(st.integers(0, 4)))
+                  lead=draw(st.integers(0, 4)), protocol_version=PROTOCOL_VERSION,
+                  rtt_ms=draw(st.integers(0, 200)))
     if msg.sampling.temperature:
         msg.sampling.seed = draw(st.integers(0, 99))
     out = [pb.ClientMessage(open=msg)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from shared.messages import PROTOCOL_VERSION
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 
@@ -13,6 +14,8 @@ CLOSE = pb.ClientMessage(close=pb.Close())
 
 
 def open_msg(ids=PROMPT, **kw) -> pb.ClientMessage:
+    """An Open of this protocol version unless `protocol_version` says otherwise."""
+    kw.setdefault("protocol_version", PROTOCOL_VERSION)
     return pb.ClientMessage(open=pb.Open(input_ids=pb.TokenIds(ids=ids), **kw))
 
 

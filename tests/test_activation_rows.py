@@ -1,9 +1,8 @@
 """Activation rows are computed when a Verdict takes them (cloud_server/decoding/activation_rows.py):
-none while the edge has them paused, all that the pause held back in the first Verdict after,
-and the same rows as computing them after every forward."""
+none while the server tells the edge to rest (Verdict.next), all that the rest held back in the
+first Verdict that asks for a draft again, and the same rows as computing them after every
+forward."""
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -67,7 +66,8 @@ def test_a_pause_computes_nothing_and_the_first_verdict_after_carries_what_it_he
 
 def test_held_back_rows_of_a_source_that_reads_layer_outputs_keep_their_outputs():
     source = CountingSource(layers=(1,))
-    keeper = RowKeeper(source, ActivationFormat.FP16, paused=True)
+    keeper = RowKeeper(source, ActivationFormat.FP16)
+    keeper.paused = True
     outputs = [torch.full((n, 1, WIDTH), float(i)) for i, n in enumerate([3, 1, 2])]
     start = 0
     for hidden in outputs:
@@ -93,16 +93,24 @@ def test_rows_must_follow_the_verified_positions_without_a_gap():
         keeper.verified(5, 6, None)
 
 
-def test_a_paced_session_opened_resting_sends_the_same_rows_once_asked(tiny_target,
-                                                                        tiny_drafter_dir):
+@pytest.mark.parametrize("pace", [Pace.AUTO, Pace.LOCKSTEP])
+def test_a_paced_session_told_to_rest_from_the_start_sends_the_same_rows_once_asked(
+        tiny_target, tiny_drafter_dir, pace):
+    """Auto pace tells a client on a slow link to rest from the first Verdict (the decode loop
+    pauses the rows before the prefill): none is computed until a Verdict asks for a draft,
+    and that one carries every row. In lock-step the edge drafts from every Verdict's rows:
+    they are never held back."""
     source = ServerActivations.load(tiny_drafter_dir, tiny_target.model)
     request = OpenRequest(prompt_ids=(1, 46, 47, 48, 49), max_new_tokens=8,
-                          activations=ActivationFormat.FP16, trailing_rows=True,
-                          acks_rows=True, pace=Pace.SERVER)
+                          activations=ActivationFormat.FP16, pace=pace)
     limits = Limits(max_tree_nodes=16, max_tree_depth=8)
     awake = Session.open(tiny_target, limits, request, source)
-    resting = Session.open(tiny_target, limits, replace(request, rows_paused=True), source)
+    resting = Session.open(tiny_target, limits, request, source)
+    resting.pause_rows(True)
     sent = [awake.prefill()] + [awake.advance(Proposal(PLAIN)) for _ in range(4)]
+    if pace is Pace.LOCKSTEP:
+        assert resting.prefill().activations.values.shape == sent[0].activations.values.shape
+        return
     held = [resting.prefill()] + [resting.advance(Proposal(PLAIN)) for _ in range(3)]
     assert all(v.activations is None for v in held)
     resting.pause_rows(False)

@@ -35,7 +35,7 @@ def test_a_valid_request_becomes_its_spec(tiny_target):
     assert (spec.acceptance, spec.seed) == (AcceptanceMode.TOPK_DRAFTS, 11)
     assert spec.stops.token_ids == {9, *tiny_target.stop_token_ids()}
     assert spec.stops.strings == ("x",)
-    assert (spec.pace, spec.lead, spec.acks_rows) == (Pace.SERVER, 3, False)
+    assert (spec.pace, spec.lead) == (Pace.SERVER, 3)
 
 
 def test_defaults_greedy_lockstep_and_the_servers_budget(tiny_target):
@@ -81,7 +81,9 @@ def test_rows_need_a_server_that_sends_them(tiny_target):
     (dict(resume=Resume("s", (8,) * 10)), "resume brings 10 generated tokens"),
     (dict(resume=Resume("s", (8, 999))), "resumed token id 999 is outside"),
     (dict(resume=Resume("s", (8, 2))), "ends the generation at token 1 (stop_token)"),
-    (dict(rows_paused=True, trailing_rows=True), "rows_paused needs trailing_rows and acks_rows"),
+    (dict(protocol_version=1), "the client speaks protocol 1, this server 2: upgrade the client"),
+    (dict(protocol_version=0), "the client speaks protocol 1,"),  # protocol 1 never set it
+    (dict(protocol_version=3), "the client speaks protocol 3, this server 2"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_each_bad_request_is_refused(tiny_target, change, message):
     assert message in refusal(tiny_target, replace(REQUEST, **change))
@@ -91,3 +93,10 @@ def test_a_resumed_history_that_spelled_a_stop_string_is_refused(tiny_target):
     history = tuple(tiny_target.tokenizer.encode("ab", add_special_tokens=False))
     request = replace(REQUEST, stop_strings=("ab",), resume=Resume("s", history))
     assert "(stop_string)" in refusal(tiny_target, request)
+
+
+def test_a_client_of_another_protocol_hears_that_before_anything_else(tiny_target):
+    """Whatever else is wrong with its request, an older client is told to upgrade: it would
+    misread any other answer (a protocol 1 client leaves the version unset)."""
+    request = replace(REQUEST, protocol_version=0, prompt_ids=(), max_new_tokens=65)
+    assert "upgrade the client" in refusal(tiny_target, request)

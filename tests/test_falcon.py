@@ -200,8 +200,8 @@ def test_falcon_through_the_server(tiny_target, tiny_falcon_dir, pace, tmp_path,
             expected = want[start:start + len(got)]
             scale = np.abs(expected).max(axis=1, keepdims=True)  # [n, 1]
             assert (np.abs(got - expected) <= scale / 500 + 1e-4).all(), start
-    # The first generation never opens resting and a lock-step edge never rests: every
-    # position but the last token's was fed; paced, at least the prompt's.
+    # Lock-step and server pace ask for a draft in every Verdict (Verdict.next): every
+    # position but the last token's was fed in lock-step; paced, at least the prompt's.
     first = set().union(*(range(start, start + len(got)) for start, got in fed[0]))
     text = len(prompts[0]) + len(results[0].output_ids)
     assert first >= set(range(text - 1 if pace is Pace.LOCKSTEP else len(prompts[0])))

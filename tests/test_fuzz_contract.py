@@ -1,8 +1,8 @@
 """Property-based fuzzing of the Decode contract (hypothesis; the strategies in `testkit/fuzzing.py`)
 against a real server on the tiny model, with a healthy generation running beside the fuzzer:
 every sequence of client messages, however malformed (bad parents, huge or negative ids, NaN and
-negative q, unknown enum values, opens after closes, resumes of unknown sessions, wrong round and
-base lengths), ends with a clear status, never INTERNAL, UNKNOWN or a hang; the healthy text
+negative q, unknown enum values, other protocol versions, opens after closes, resumes of unknown
+sessions, wrong round and base lengths), ends with a clear status, never INTERNAL, UNKNOWN or a hang; the healthy text
 stays exact; no session is left once the orphans' idle timeout has passed. `make test` runs a
 small draw, `make test-all` the full one; the long run is `python -m benchmarks.reliability`
 (ten thousand cases and more)."""

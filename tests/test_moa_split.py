@@ -95,8 +95,8 @@ def test_moa_split_greedy_equals_plain(moa_server, tiny_target, tiny_drafter_dir
             expected = want[start:start + len(got)]
             scale = np.abs(expected).max(axis=1, keepdims=True)  # [n, 1]
             assert (np.abs(got - expected) <= tolerance * scale + 1e-4).all(), start
-    # The first generation never opens resting (DraftSpacing.carried) and a lock-step edge
-    # never rests: every position but the last token's was fed; paced, at least the prompt's.
+    # Lock-step asks for a draft from every Verdict's rows: every position but the last
+    # token's was fed; paced, at least the prompt's, as the prefill's Verdict asked for a draft.
     first = set().union(*(range(start, start + len(got)) for start, got in fed[0]))
     text = len(PROMPTS[0]) + len(results[0].output_ids)
     assert first >= set(range(text - 1 if pace is Pace.LOCKSTEP else len(PROMPTS[0])))

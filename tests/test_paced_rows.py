@@ -1,11 +1,14 @@
 """The server half's activation rows in paced sessions, through the real server and client on
 the tiny target with the MoA drafter: a prompt's rows trail its Verdict in parts under flow
-control, an edge whose drafts come too late rests and pauses them, a resume gets the rows a
-broken stream lost, and a client that reads nothing yet holds no forward back."""
+control, none cross while the server tells the edge to rest (Verdict.next) and those after come
+in order from where they stopped, a client on a link too slow for drafts rests from the first
+Verdict, a resume gets the rows a broken stream lost, and a client that reads nothing yet holds
+no forward back."""
 from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -18,8 +21,10 @@ from edge_client.drafters.moa import MoaDrafter
 from edge_client.link import ServerLink
 from netsim import LinkProfile, NetworkConditions, ProxyThread
 from shared.messages import (
-    ActivationFormat, ActivationRows, FinishReason, Limits, OpenRequest, Pace, Resume, Verdict,
+    ActivationFormat, ActivationRows, DraftRequest, Limits, Next, OpenRequest, Pace, Resume,
+    Verdict,
 )
+from shared.tree import DraftTree
 from testkit.moa_runs import LIMITS, MAX_NEW, PROMPTS, run
 from testkit.waiting import until, until_let_go
 from tests.server_harness import ServerThread
@@ -68,10 +73,12 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
     monkeypatch.setattr(session_streams, "ROWS_IN_FLIGHT_BYTES", in_flight)
+    if pace is Pace.AUTO:  # told to draft, as on a link fast enough for drafts to pay
+        _deciding(monkeypatch, lambda n: Next.DRAFT)
     acknowledged: list[int] = []
     real_held = stream_buffers.Outbox.held
-    monkeypatch.setattr(stream_buffers.Outbox, "held", lambda self, rows, paused=False: (
-        acknowledged.append(rows), real_held(self, rows, paused))[-1])
+    monkeypatch.setattr(stream_buffers.Outbox, "held", lambda self, rows: (
+        acknowledged.append(rows), real_held(self, rows))[-1])
     sent = _recording_trailing(monkeypatch)
     added: list[tuple[int, int]] = []  # (start, rows) as the edge's drafter got them
     real_add = MoaDrafter.add_activations
@@ -94,133 +101,72 @@ def test_a_paced_prompts_activations_trail_its_verdict(tiny_target, tiny_drafter
                    plain_greedy(tiny_target, prompt, MAX_NEW)).lossless
 
 
-def test_an_edge_whose_drafts_the_server_overtakes_rests_and_stops_the_rows(
-        tiny_target, tiny_drafter_dir, tmp_path, monkeypatch):
-    """Right one-token drafts over a link slower than the server, which drafts nothing of its
-    own: it commits past each draft before the draft arrives. After a few the edge drafts only
-    now and then, pauses the rows, so the server sends none, and answers the Verdicts only
-    now and then (the server's lead is far). Its probes earn nothing, so the rows it missed
-    never come; those it got came in order, and the text stays exact."""
-    from cloud_server.rpc import session_streams, stream_buffers
-    from cloud_server.rpc.client_stream import ClientStream
-    from cloud_server.decoding.server_decoding import ServerDecoder
-    from shared.draft_q import Proposal
-    from shared.tree import DraftTree
+def _deciding(monkeypatch, says: Callable[[int], Next]) -> list[Next]:
+    """Auto pace's n-th decision (from 1, over every session) made `says(n)`; what it waits
+    for and measures stays its own. Returns the decisions as they are made."""
+    from cloud_server.decoding.pacing import AutoPace
 
-    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(session_streams, "ROWS_IN_FLIGHT_BYTES", 512)  # 4 rows of the tiny model
-    max_new = 64
-    prompt = PROMPTS[0]
-    plain = plain_greedy(tiny_target, prompt, max_new)
-    proposed: list[int] = []
-    monkeypatch.setattr(MoaDrafter, "propose", lambda self, context, nodes: (
-        proposed.append(len(context)),
-        DraftTree.chain(plain[len(context) - len(prompt):][:1]))[1])
-    monkeypatch.setattr(ServerDecoder, "propose",
-                        lambda self, context: Proposal(DraftTree.chain([])))
-    answers: list[tuple[int, bool]] = []  # (committed length, rows paused) as received
+    decided: list[Next] = []
+    real = AutoPace.decide
+
+    def decide(self, busy: bool) -> Next:
+        real(self, busy)
+        decided.append(says(len(decided) + 1))
+        return decided[-1]
+    monkeypatch.setattr(AutoPace, "decide", decide)
+    return decided
+
+
+def _logging_the_server(monkeypatch, log: list[tuple]) -> None:
+    """Logs, in the order the server's event loop does them, auto's decisions, what the
+    session's stream writes ("verdict", next, committed length, rows inside) or ("rows",
+    start, count), and the client's answers ("draft", base length, nodes)."""
+    from cloud_server.decoding.pacing import AutoPace
+    from cloud_server.rpc import stream_buffers
+    from cloud_server.rpc.client_stream import ClientStream
+
+    real_decide = AutoPace.decide
+
+    def decide(self, busy: bool) -> Next:
+        log.append(("decide", real_decide(self, busy)))
+        return log[-1][1]
+    monkeypatch.setattr(AutoPace, "decide", decide)
+    real_send = ClientStream.send
+
+    async def send(self, msg) -> None:
+        if isinstance(msg, Verdict):
+            log.append(("verdict", msg.next, msg.committed_length, msg.activations is not None))
+        elif isinstance(msg, ActivationRows):
+            log.append(("rows", msg.start, len(msg.values)))
+        await real_send(self, msg)
+    monkeypatch.setattr(ClientStream, "send", send)
     real_put = stream_buffers.Inbox.put
     monkeypatch.setattr(stream_buffers.Inbox, "put", lambda self, draft, committed: (
-        answers.append((draft.base_length, draft.rows_paused)),
+        log.append(("draft", draft.base_length, len(draft.tree))),
         real_put(self, draft, committed))[-1])
-    added: list[tuple[int, int]] = []
-    real_add = MoaDrafter.add_activations
-    monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
-        added.append((start, len(values))), real_add(self, start, values))[-1])
-    alone: list[int] = []  # Verdicts the server sent without their rows, which waited
-    real_send = ClientStream.send
-    monkeypatch.setattr(ClientStream, "send", lambda self, msg: (
-        isinstance(msg, Verdict) and msg.activations is None
-        and msg.finish_reason is FinishReason.NOT_FINISHED
-        and alone.append(msg.committed_length), real_send(self, msg))[-1])
-    limits = replace(LIMITS, max_new_tokens=max_new)
-    slow = NetworkConditions.symmetric(LinkProfile(delay_ms=25))
-    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server, \
-            ProxyThread(server.address, slow) as proxy:
-        result, = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.SERVER),
-                      prompts=[prompt])
-    assert result.output_ids == plain and result.accepted_tokens == 0
-    assert len(proposed) < max_new / 4  # it rested
-    paused = [p for _, p in answers]
-    assert any(paused) and all(paused[paused.index(True):])  # its probes took no rows
-    assert len(answers) < max_new / 2  # and, resting, answered only now and then
-    assert len(alone) > 16
-    assert all(a + n == b for (a, n), (b, _) in zip(added, added[1:]))  # caught up in order
 
 
-def test_the_next_generation_on_a_link_too_slow_for_drafts_opens_resting(
-        tiny_target, tiny_drafter_dir, tmp_path, monkeypatch):
-    """As above, with three generations on one client, which carries a rest one generation
-    (CARRY_GENERATIONS). The second opens resting (Open.rows_paused): no rows cross the link,
-    not even its prompt's, and it drafts only at probes. The third learns the link afresh.
-    Every text stays exact."""
-    from cloud_server.decoding.server_decoding import ServerDecoder
-    from cloud_server.rpc.session_streams import SessionStreams
-    from edge_client import paced_drafts
-    from shared.draft_q import Proposal
-    from shared.tree import DraftTree
-
-    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    monkeypatch.setattr(paced_drafts, "CARRY_GENERATIONS", 1)
-    max_new = 48
-    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0]]
-    plains = [plain_greedy(tiny_target, p, max_new) for p in prompts]
-    log: list[tuple] = []  # ("open", rows paused) | ("rows",) | ("draft",) as they happen
-
-    def propose(self, context, nodes):
-        log.append(("draft",))
-        prompt, plain = next((p, t) for p, t in zip(prompts, plains) if tuple(context[:5]) == p)
-        return DraftTree.chain(plain[len(context) - len(prompt):][:1])
-    monkeypatch.setattr(MoaDrafter, "propose", propose)
-    monkeypatch.setattr(ServerDecoder, "propose",
-                        lambda self, context: Proposal(DraftTree.chain([])))
-    real_serve = SessionStreams.decode
-    monkeypatch.setattr(SessionStreams, "decode",
-                        lambda self, session, stream, owner, first, paused: (
-                            log.append(("open", paused)),
-                            real_serve(self, session, stream, owner, first, paused))[-1])
-    real_add = MoaDrafter.add_activations
-    monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
-        log.append(("rows",)), real_add(self, start, values))[-1])
-    limits = replace(LIMITS, max_new_tokens=max_new)
-    slow = NetworkConditions.symmetric(LinkProfile(delay_ms=25))
-    with ServerThread(tiny_target, ServerConfig(limits, drafter_dir=tiny_drafter_dir)) as server, \
-            ProxyThread(server.address, slow) as proxy:
-        results = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.SERVER),
-                      prompts=prompts)
-    assert [r.output_ids for r in results] == plains
-    opens = [i for i, e in enumerate(log) if e[0] == "open"]
-    assert [log[i] for i in opens] == [("open", False), ("open", True), ("open", False)]
-    first, second, third = log[opens[0]:opens[1]], log[opens[1]:opens[2]], log[opens[2]:]
-    assert ("rows",) in first and ("rows",) not in second and ("rows",) in third
-    assert second.count(("draft",)) < first.count(("draft",))  # probes only
-    assert results[1].bytes_down < results[0].bytes_down / 2
-
-
-def test_rows_an_edge_paused_come_in_one_piece_when_it_asks_again(
+def test_while_auto_says_rest_no_rows_cross_and_those_after_come_from_where_they_stopped(
         moa_server, tiny_target, tmp_path, monkeypatch):
-    """The edge pauses the rows for a stretch of the answer, then asks again. The server
-    computes none meanwhile (cloud_server/decoding/activation_rows.py) and the first Verdict after
-    carries them all, from one call of the server half: the edge's drafter gets every row, in
-    order, and the text stays exact. (Computed after each forward, no call would cover more
-    than the pending token and the 4 nodes a forward verifies here.)"""
+    """Auto pace tells the edge to rest for a stretch of the answer (forwards 4 to 15), then
+    asks for drafts again. While it rests, the server writes no activation rows, computes
+    none (cloud_server/decoding/activation_rows.py), and the edge drafts nothing; the first
+    Verdict after carries the rows the rest held back, from one call of the server half, and
+    the edge's drafter gets every row, in order. The text stays exact. (Computed after each
+    forward, no call would cover more than the pending token and the 4 nodes a forward
+    verifies here: the server drafts nothing of its own.)"""
     from cloud_server.decoding.activation_rows import RowKeeper
     from cloud_server.decoding.server_decoding import ServerDecoder
-    from edge_client.generate import SplitGeneration
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(ServerDecoder, "propose",
                         lambda self, context: Proposal(DraftTree.chain([])))
-    prompt, max_new = PROMPTS[0], 48
-    pause = range(len(prompt) + 8, len(prompt) + 28)  # committed lengths the edge rests at
-    real_answer = SplitGeneration._answer
-
-    async def answer(self, stream, follower, awaited):
-        follower.spacing._resting = len(self.context) in pause
-        await real_answer(self, stream, follower, awaited)
-    monkeypatch.setattr(SplitGeneration, "_answer", answer)
+    prompt, max_new = PROMPTS[0], 64
+    _deciding(monkeypatch, lambda n: Next.REST if 4 <= n < 16 else Next.DRAFT)
+    log: list[tuple] = []
+    _logging_the_server(monkeypatch, log)
     computed: list[tuple[int, int]] = []
     real_compute = RowKeeper._compute
     monkeypatch.setattr(RowKeeper, "_compute", lambda self, cache: (
@@ -230,12 +176,58 @@ def test_rows_an_edge_paused_come_in_one_piece_when_it_asks_again(
     real_add = MoaDrafter.add_activations
     monkeypatch.setattr(MoaDrafter, "add_activations", lambda self, start, values: (
         added.append((start, len(values))), real_add(self, start, values))[-1])
-    options = ClientOptions("moa", 4, max_new, pace=Pace.SERVER, lead=4)
-    result, = run(moa_server.address, options, prompts=[prompt])
+    result, = run(moa_server.address, ClientOptions("moa", 4, max_new, pace=Pace.AUTO),
+                  prompts=[prompt])
     assert result.output_ids == plain_greedy(tiny_target, prompt, max_new)
-    assert max(end - start for start, end in computed) > 8
+
+    decisions = [e[1] for e in log if e[0] == "decide"]
+    verdicts = [e for e in log if e[0] == "verdict"]
+    assert [v[1] for v in verdicts] == decisions[:len(verdicts)]  # each Verdict says it
+    assert Next.REST in decisions and decisions[-1] is Next.DRAFT
+    told, rest_lengths = None, set()
+    for event in log:
+        if event[0] == "decide":
+            told = event[1]
+        elif told is Next.REST:  # resting: nothing with rows, no draft from a rest
+            assert event[0] != "rows" and not (event[0] == "verdict" and event[3]), event
+        if event[0] == "verdict" and event[1] is Next.REST:
+            rest_lengths.add(event[2])
+        if event[0] == "draft" and event[2]:
+            assert event[1] not in rest_lengths, event
+    assert max(end - start for start, end in computed) > 8  # what the rest held back, at once
     assert added[0][0] == 0 and all(a + n == b for (a, n), (b, _) in zip(added, added[1:]))
-    assert sum(n for _, n in added) >= pause.stop  # past the pause, nothing missing
+    assert sum(n for _, n in added) >= max(rest_lengths)  # past the rest, nothing missing
+
+
+def test_a_client_on_a_link_too_slow_for_drafts_rests_from_the_first_verdict(
+        tiny_target, tiny_drafter_dir, tmp_path, monkeypatch):
+    """The edge measures its round trip (100 ms here) at connect and sends it with its Open
+    (Open.rtt_ms): against the tiny target's few-ms forwards no draft could pay the wait,
+    not even a probe's. Every Verdict tells it to rest, so no row crosses the link, not even
+    the prompt's, and it drafts nothing; the next generation on the same client rests as
+    well. Every text stays exact."""
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    max_new = 24
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    log: list[tuple] = []
+    _logging_the_server(monkeypatch, log)
+    proposed: list[int] = []
+    real_propose = MoaDrafter.propose
+    monkeypatch.setattr(MoaDrafter, "propose", lambda self, context, *args, **kw: (
+        proposed.append(len(context)), real_propose(self, context, *args, **kw))[-1])
+    slow = NetworkConditions.symmetric(LinkProfile(delay_ms=50))
+    with ServerThread(tiny_target, ServerConfig(replace(LIMITS, max_new_tokens=max_new),
+                                                drafter_dir=tiny_drafter_dir)) as server, \
+            ProxyThread(server.address, slow) as proxy:
+        results = run(proxy.address, ClientOptions("moa", 4, max_new, pace=Pace.AUTO),
+                      prompts=prompts)
+    assert [r.output_ids for r in results] == [plain_greedy(tiny_target, p, max_new)
+                                               for p in prompts]
+    assert all(r.pace is Pace.AUTO and r.rtt_s >= 0.1 for r in results)
+    verdicts = [e for e in log if e[0] == "verdict"]
+    assert len(verdicts) >= 2 * 2 and all(v[1] is Next.REST for v in verdicts)
+    assert not any(v[3] for v in verdicts) and not any(e[0] == "rows" for e in log)
+    assert not any(e[0] == "draft" and e[2] for e in log) and not proposed
 
 
 def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tiny_drafter_dir,
@@ -247,7 +239,7 @@ def test_a_resume_gets_the_trailing_rows_its_broken_stream_lost(tiny_target, tin
     monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
     prompt = tuple(range(40, 100))
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
-                          activations=ActivationFormat.FP16, lead=1, trailing_rows=True)
+                          activations=ActivationFormat.FP16, lead=1)
 
     async def go(server: ServerThread) -> tuple[Verdict, list[ActivationRows]]:
         async with ServerLink(server.address) as link:
@@ -289,7 +281,7 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
     lead = 6
     acknowledged = len(prompt) + 1  # the prefill's token counts as received
     request = OpenRequest(prompt_ids=prompt, max_new_tokens=MAX_NEW, pace=Pace.SERVER,
-                          activations=ActivationFormat.FP16, lead=lead, trailing_rows=True)
+                          activations=ActivationFormat.FP16, lead=lead)
 
     async def go(server: ServerThread) -> list[int]:
         async with ServerLink(server.address) as link:
@@ -308,24 +300,27 @@ def test_a_client_that_reads_nothing_yet_holds_no_forward_back(tiny_target, tiny
     assert ran and ran[0] == acknowledged and ran[-1] < acknowledged + lead
 
 
-def test_a_client_that_does_not_read_trailing_rows_gets_them_inside(tiny_target, tiny_drafter_dir,
-                                                                   monkeypatch):
-    """An Open without trailing_rows (a client older than them) gets a paced Verdict with its
-    rows inside, as in lock-step."""
+def test_a_lockstep_verdict_keeps_its_rows_inside(tiny_target, tiny_drafter_dir, monkeypatch):
+    """In lock-step the edge drafts from a Verdict's rows next: they travel inside it, however
+    many (the prompt's), and no rows trail it."""
     from cloud_server.rpc import session_streams
 
     monkeypatch.setattr(session_streams, "INLINE_ACTIVATION_BYTES", 1024)
     prompt = tuple(range(40, 100))
-    request = OpenRequest(prompt_ids=prompt, max_new_tokens=4, pace=Pace.SERVER,
+    request = OpenRequest(prompt_ids=prompt, max_new_tokens=4, pace=Pace.LOCKSTEP,
                           activations=ActivationFormat.FP16)
 
     async def go(address: str) -> list:
         async with ServerLink(address) as link:
             stream = link.decode()
             await stream.send(request)
-            messages = [await stream.recv() for _ in range(3)]
+            opened, first = await stream.recv(), await stream.recv()
+            await stream.send(DraftRequest(1, len(prompt) + 1, DraftTree.chain([7])))
+            second = await stream.recv()
             stream.cancel()
-            return messages
+            return [opened, first, second]
     with ServerThread(tiny_target, ServerConfig(LIMITS, drafter_dir=tiny_drafter_dir)) as server:
         opened, first, second = asyncio.run(go(server.address))
-    assert len(first.activations.values) == len(prompt) and isinstance(second, Verdict)
+    assert opened.pace is Pace.LOCKSTEP and first.next is Next.DRAFT
+    assert len(first.activations.values) == len(prompt)
+    assert isinstance(second, Verdict) and second.activations.start == len(prompt)

@@ -1,5 +1,6 @@
 """Server-paced sessions (cloud_server/decoding/pacing.py) on the tiny target: the text is exactly plain
-greedy decoding whatever the pace, drafts join the server's forwards, and flow control holds."""
+greedy decoding whatever the pace, drafts join the server's forwards, the edge does what each
+Verdict tells it (Verdict.next: draft, or rest), and flow control holds."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.reporting import SilentListener
 from cloud_server.decoding.pacing import PacingPolicy
 from shared.drafting.base import DrafterName
-from shared.messages import FinishReason, Limits, Pace
+from shared.messages import FinishReason, Limits, Next, Pace
 from netsim import LinkProfile, NetworkConditions, ProxyThread
 from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
@@ -32,8 +33,8 @@ def paced_outputs(address: str, drafter: str, pace: Pace, tree_nodes: int | None
 @pytest.mark.parametrize("drafter", ["pld", "aded"])
 def test_paced_greedy_equals_plain(tiny_server, tiny_target, pace, drafter):
     results = paced_outputs(tiny_server.address, drafter, pace)
-    # auto is server pace for a drafter that reads the text alone, and the result says so
-    assert {result.pace for result in results} == {Pace.SERVER}
+    # the pace asked for, whatever the drafter reads, and the result says so
+    assert {result.pace for result in results} == {pace}
     for prompt, result in zip(PROMPTS, results):
         plain = plain_greedy(tiny_target, prompt, MAX_NEW)
         assert compare(tiny_target, prompt, result.output_ids, plain).lossless, (prompt, pace)
@@ -162,12 +163,12 @@ def test_a_verdict_names_the_clients_accepted_nodes_wherever_the_merge_put_them(
     assert session.committed[len(PROMPTS[1]):] == truth[:len(session.committed) - len(PROMPTS[1])]
 
 
-@pytest.mark.parametrize("own_reach, client_reach, redundant", [(2, 1, True), (2, 2, True),
-                                                                 (1, 3, False), (0, 1, False)])
-def test_a_verdict_says_when_the_servers_own_candidates_had_the_clients_accepted_tokens(
-        tiny_target, monkeypatch, own_reach, client_reach, redundant):
-    """Verdict.draft_redundant: the client's accepted nodes added nothing to what the server's
-    own tree alone would have committed in the same forward (a text-only edge then rests)."""
+@pytest.mark.parametrize("own_reach, client_reach", [(2, 1), (2, 2), (1, 3), (0, 1)])
+def test_a_merged_forward_says_what_the_servers_own_candidates_alone_would_have_committed(
+        tiny_target, monkeypatch, own_reach, client_reach):
+    """Forwarded.alone, what auto pace weighs a client's drafts against (pacing.py): the
+    tokens the server's own tree would have committed in the same forward, its accepted
+    nodes and the target's token, however far the client's draft went."""
     from cloud_server.decoding.server_decoding import ServerDecoder
     from shared.draft_q import Proposal
     from shared.tree import DraftTree
@@ -177,9 +178,10 @@ def test_a_verdict_says_when_the_servers_own_candidates_had_the_clients_accepted
     at = len(session.committed) - len(PROMPTS[1])
     monkeypatch.setattr(ServerDecoder, "propose", lambda self, context: Proposal(
         DraftTree.chain(truth[at: at + own_reach])))
-    verdict = _step(tiny_target, decoder, 1, DraftTree.chain(truth[at: at + client_reach])).verdict
-    assert len(verdict.accepted_nodes) == client_reach
-    assert verdict.draft_redundant is redundant
+    forwarded = _step(tiny_target, decoder, 1, DraftTree.chain(truth[at: at + client_reach]))
+    assert len(forwarded.verdict.accepted_nodes) == client_reach
+    assert len(forwarded.verdict.tokens) == max(own_reach, client_reach) + 1
+    assert forwarded.alone == own_reach + 1
 
 
 class _LastToken(SilentListener):
@@ -213,24 +215,29 @@ def test_the_wall_time_ends_with_the_answer_not_the_close_after_it(tiny_server):
     assert wall_s >= 0.5, "an answer takes at least the Open's round trip"
 
 
-def test_at_server_pace_the_edge_leaves_mere_acknowledgements_unsent(tiny_server):
-    """The server never waits for its answers (Verdict.answer_awaited unset): a prompt-lookup
-    edge sends its drafts, an acknowledgement once per quarter of the lead, and nothing for
-    the other Verdicts; each answer would cost the server a read on its core."""
+def test_told_to_draft_the_edge_answers_every_verdict(tiny_server):
+    """Server pace asks for a draft in every Verdict (Verdict.next): a prompt-lookup edge
+    answers each but the last, with a draft, or an acknowledgement while its last draft still
+    continues the text. Sent: the Open, the answers, the Close."""
     results = paced_outputs(tiny_server.address, "pld", Pace.SERVER)
-    # Answering every Verdict: the Open, an answer to each but the last, the Close
-    assert sum(r.messages_up for r in results) < sum(r.rounds for r in results)
+    assert all(r.messages_up == r.rounds + 2 for r in results)
+    assert sum(r.drafted_tokens for r in results) > 0
 
 
+def test_told_to_rest_the_edge_drafts_nothing_and_acknowledges_now_and_then(
+        tiny_server, tiny_target, monkeypatch):
+    """Auto pace tells the client to rest in every Verdict: the edge drafts nothing (a draft
+    from such a Verdict would be refused) and acknowledges once per quarter of the lead, so
+    that the lead never stops the server; the text is plain greedy decoding still."""
+    from cloud_server.decoding.pacing import AutoPace
 
-def test_a_prompt_lookup_edge_gets_the_text_only_spacing_and_keeps_it(tiny_server):
-    """The client gives an edge whose drafter reads no activation rows the spacing that rests
-    from drafts that added nothing (DraftSpacing.reads_rows False, test_paced_drafts.py has what
-    it does), and carries it to the next generation."""
-    async def go():
-        options = ClientOptions("pld", None, MAX_NEW, pace=Pace.SERVER)
-        async with EdgeClient(tiny_server.address, options) as client:
-            opened = client._spacing.reads_rows
-            await client.generate(options.open_request(prompt_ids=PROMPTS[0]))
-            return opened, client._spacing.reads_rows
-    assert asyncio.run(go()) == (False, False)
+    monkeypatch.setattr(AutoPace, "decide", lambda self, busy: Next.REST)
+    lead = 16
+    results = paced_outputs(tiny_server.address, "pld", Pace.AUTO, lead=lead)
+    for prompt, result in zip(PROMPTS, results):
+        plain = plain_greedy(tiny_target, prompt, MAX_NEW)
+        assert compare(tiny_target, prompt, result.output_ids, plain).lossless, prompt
+        assert result.drafted_tokens == 0 and result.drafts.settled == 0
+        # the Open, the Close, an acknowledgement of the prefill's Verdict and one per
+        # lead // 4 tokens; one forward may commit several past the mark
+        assert 2 < result.messages_up <= 3 + len(result.output_ids) // (lead // 4)

@@ -140,6 +140,7 @@ def test_mutual_tls_lets_certified_clients_in_and_keeps_others_out(mtls_server, 
 def test_only_the_client_that_opened_a_session_may_resume_it(mtls_server, pki, mtls):
     import grpc
 
+    from shared.messages import PROTOCOL_VERSION
     from shared.pb.splitdec.v1 import splitdec_pb2 as pb
     from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 
@@ -152,9 +153,11 @@ def test_only_the_client_that_opened_a_session_may_resume_it(mtls_server, pki, m
                 iter([pb.ClientMessage(open=opening)]), timeout=20)
             return list(call)  # the stream ends: the session waits for a resume
 
-    opened = decode("alice", pb.Open(input_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=12))
+    opened = decode("alice", pb.Open(input_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=12,
+                                     protocol_version=PROTOCOL_VERSION))
     sid, first = opened[0].opened.session_id, list(opened[1].verdict.tokens)
     resume = pb.Open(input_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=12,
+                     protocol_version=PROTOCOL_VERSION,
                      resume=pb.Resume(session_id=sid, generated_ids=first))
     with pytest.raises(grpc.RpcError) as refused:
         decode("bob", resume)

@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.messages import Limits
+from shared.messages import PROTOCOL_VERSION, Limits
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 from testkit.raw_stream import BASE, CLOSE, assert_refused, draft_msg, open_msg, run_stream
@@ -44,14 +44,21 @@ BAD_INPUTS = {
     "prompt over limit": ([open_msg(ids=[5] * 65)], "INVALID_ARGUMENT", "limit is 64"),
     "empty prompt": ([open_msg(ids=[])], "INVALID_ARGUMENT", "empty"),
     "prompt token out of range": ([open_msg(ids=[5, 4000])], "INVALID_ARGUMENT", "outside"),
-    "no prompt": ([pb.ClientMessage(open=pb.Open())], "INVALID_ARGUMENT", "no prompt"),
+    "no prompt": ([pb.ClientMessage(open=pb.Open(protocol_version=PROTOCOL_VERSION))],
+                  "INVALID_ARGUMENT", "no prompt"),
     "max_new_tokens over limit": ([open_msg(max_new_tokens=65)], "INVALID_ARGUMENT",
                                   "max_new_tokens"),
     "empty client message": ([pb.ClientMessage()], "INVALID_ARGUMENT", "no open"),
     "activations without a drafter": ([open_msg(activations=pb.ACTIVATION_FORMAT_FP16)],
                                       "INVALID_ARGUMENT", "no drafter"),
-    "rows paused, never acknowledged": ([open_msg(rows_paused=True, trailing_rows=True)],
-                                        "INVALID_ARGUMENT", "rows_paused needs"),
+    "protocol 1 client": ([open_msg(protocol_version=1)], "INVALID_ARGUMENT",
+                          "the client speaks protocol 1, this server 2: upgrade the client"),
+    "no protocol version (protocol 1)": ([open_msg(protocol_version=0)], "INVALID_ARGUMENT",
+                                         "the client speaks protocol 1,"),
+    "newer protocol": ([open_msg(protocol_version=3)], "INVALID_ARGUMENT",
+                       "the client speaks protocol 3, this server 2"),
+    "protocol 1 resume": ([open_msg(protocol_version=1, resume=pb.Resume(
+        session_id="gone", generated_ids=(9,)))], "INVALID_ARGUMENT", "speaks protocol 1"),
 }
 
 
@@ -64,6 +71,28 @@ def test_bad_input_is_refused_and_server_keeps_serving(tiny_server, case):
     assert err is None
     assert [r.WhichOneof("kind") for r in responses] == ["opened", "verdict", "verdict", "done"]
     assert len(tiny_server.service.sessions) <= held
+
+
+def test_a_draft_from_a_verdict_that_said_rest_is_refused(tiny_server):
+    """Auto pace starts from the client's round trip: at a minute, no draft can pay, and the
+    first Verdict already tells the client to rest (Verdict.next). An acknowledgement from it
+    is fine; a draft with tokens from it is refused, naming the rest."""
+    feed: queue.Queue = queue.Queue()
+    feed.put(open_msg(pace=pb.PACE_AUTO, lead=2, rtt_ms=60_000, max_new_tokens=40))
+    with grpc.insecure_channel(tiny_server.address) as channel:
+        replies = iter(pb_grpc.SplitDecodingStub(channel).Decode(iter(feed.get, None),
+                                                                 timeout=20))
+        assert next(replies).opened.pace == pb.PACE_AUTO
+        first = next(replies).verdict
+        assert first.next == pb.NEXT_REST and first.committed_length == BASE
+        feed.put(draft_msg(1, BASE, (), ()))
+        feed.put(draft_msg(2, BASE, (10,), (-1,)))
+        with pytest.raises(grpc.RpcError) as err:
+            for reply in replies:  # the forwards up to the lead, then the refusal
+                assert reply.verdict.next == pb.NEXT_REST, reply
+        feed.put(None)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+    assert "draft 2 continues 4 tokens, where the server said rest" in err.value.details()
 
 
 def test_session_limit_answers_resource_exhausted(tiny_target):

@@ -12,7 +12,7 @@ from cloud_server.rpc import stream_buffers
 from cloud_server.rpc.stream_buffers import Inbox, Outbox
 from shared import wire
 from shared.errors import OutOfOrder
-from shared.messages import ActivationRows, DraftRequest, FinishReason, Verdict
+from shared.messages import ActivationRows, DraftRequest, FinishReason, Next, Verdict
 from shared.tree import DraftTree
 
 TREE = DraftTree.chain([7])
@@ -42,6 +42,17 @@ def test_inbox_refuses_drafts_out_of_order(draft, words):
     inbox.put(DraftRequest(1, 5, TREE), committed=6)
     with pytest.raises(OutOfOrder, match=words):
         inbox.put(draft, committed=6)
+
+
+def test_inbox_refuses_a_draft_from_a_verdict_that_said_rest_but_takes_its_acknowledgement():
+    inbox = Inbox(acked=4)
+    inbox.told(6, Next.REST)
+    inbox.told(7, Next.DRAFT)
+    inbox.put(DraftRequest(1, 6, DraftTree((), ())), committed=7)  # acknowledges only
+    with pytest.raises(OutOfOrder, match="where the server said rest"):
+        inbox.put(DraftRequest(2, 6, TREE), committed=7)
+    inbox.put(DraftRequest(3, 7, TREE), committed=7)
+    assert inbox.draft.round_id == 3
 
 
 def test_inbox_wait_wakes_on_a_draft_and_times_out_without_one():
@@ -138,8 +149,8 @@ def test_verdicts_go_before_rows_the_client_has_not_acknowledged():
 
 def test_rows_past_the_budget_or_paused_wait_even_those_inside_verdicts():
     """A Verdict's few rows go inside it while the budget has room; past it the Verdicts go
-    alone and their rows wait, in order, until the client acknowledges more. Paused, no rows
-    go at all until the client wants them again."""
+    alone and their rows wait, in order, until the client acknowledges more. Paused (the
+    server told the client to rest), no rows go at all until it asks for drafts again."""
     async def go():
         written: list = []
 
@@ -153,12 +164,13 @@ def test_rows_past_the_budget_or_paused_wait_even_those_inside_verdicts():
         paused = [(m.committed_length, m.activations and m.activations.start)
                   for m in written]
         written.clear()
-        outbox.held(18, paused=True)
+        outbox.held(18)
+        outbox.pause(True)
         await outbox.put(Verdict(4, (), (5,), 25, activations=_rows(23, 1)))
         await settle()
         still_paused = [(m.committed_length, m.activations) for m in written]
         written.clear()
-        outbox.held(18)
+        outbox.pause(False)
         await settle()
         await outbox.flush()
         return paused, still_paused, [m.start for m in written]
@@ -169,7 +181,8 @@ def test_rows_past_the_budget_or_paused_wait_even_those_inside_verdicts():
 
 
 def test_without_acknowledgements_rows_follow_their_verdict_at_once():
-    """A client that does not acknowledge rows gets them all as soon as the link takes them."""
+    """Without a budget of rows in flight, rows follow their Verdict as soon as the link takes
+    them."""
     async def go():
         written: list = []
 

@@ -111,7 +111,8 @@ def test_a_paced_verdicts_many_rows_trail_it_and_survive_the_wire():
     import numpy as np
 
     from shared import wire
-    from shared.messages import ActivationFormat, ActivationRows, FinishReason, Verdict
+    from shared.messages import ActivationFormat, ActivationRows, FinishReason, Next, Verdict
+    from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 
     rows = ActivationRows(3, np.arange(40, dtype=np.float32).reshape(10, 4), ActivationFormat.FP16)
     verdict = Verdict(2, (0,), (7, 8), 15, activations=rows, draft_id=4)
@@ -122,8 +123,52 @@ def test_a_paced_verdicts_many_rows_trail_it_and_survive_the_wire():
     for part in trail:
         back = wire.server_from_proto(wire.server_to_proto(part))
         assert back == part and np.array_equal(back.values, part.values)
-    flagged = Verdict(2, (0,), (7, 8), 15, draft_id=4, answer_awaited=True, draft_redundant=True)
-    assert wire.server_from_proto(wire.server_to_proto(flagged)) == flagged
+    for told in (Next.DRAFT, Next.REST):
+        paced = Verdict(2, (0,), (7, 8), 15, draft_id=4, next=told, draft_nodes=12)
+        assert wire.server_from_proto(wire.server_to_proto(paced)) == paced
+    generated = Verdict(2, (), (7,), 15)  # Generate's: nobody to tell
+    raw = wire.server_to_proto(generated)
+    assert raw.verdict.next == pb.NEXT_UNSPECIFIED
+    assert wire.server_from_proto(raw).next is None
     last = Verdict(2, (0,), (7, 8), 15, FinishReason.LENGTH, activations=rows)
     assert wire.trailing(last, inline_bytes=0, max_bytes=1 << 20) == [
         Verdict(2, (0,), (7, 8), 15, FinishReason.LENGTH)]
+
+
+def test_an_open_carries_the_protocol_version_and_the_round_trip():
+    from shared import wire
+    from shared.messages import PROTOCOL_VERSION, OpenRequest, Pace
+
+    request = OpenRequest(prompt_ids=(5, 6), pace=Pace.AUTO, rtt_ms=42)
+    raw = wire.client_to_proto(request)
+    assert (raw.open.protocol_version, raw.open.rtt_ms) == (PROTOCOL_VERSION, 42)
+    back = wire.client_from_proto(raw, 64)
+    assert (back.protocol_version, back.rtt_ms, back.pace) == (PROTOCOL_VERSION, 42, Pace.AUTO)
+
+
+def test_a_verdict_telling_the_edge_what_it_does_not_know_is_a_protocol_error():
+    """A Verdict.next this client does not know (a newer server's): the edge never guesses
+    what the server wants; wire.py refuses it and the link ends the generation with a
+    LinkError naming the protocol."""
+    import asyncio
+
+    from edge_client.link import DecodeStream, LinkError
+    from shared import wire
+    from shared.pb.splitdec.v1 import splitdec_pb2 as pb
+
+    raw = pb.ServerMessage(verdict=pb.Verdict(round_id=1, tokens=[7], committed_length=5))
+    raw.verdict.next = 7  # proto3 keeps an enum number it does not know
+    with pytest.raises(ValueError, match="unknown next value 7.*newer protocol"):
+        wire.server_from_proto(raw)
+
+    class OneReply:
+        async def read(self):
+            return raw
+
+        def cancel(self) -> None:
+            pass
+
+    async def receive() -> None:
+        await DecodeStream(OneReply(), "edge-test:1", round_timeout_s=5).recv()
+    with pytest.raises(LinkError, match="protocol error from edge-test:1: unknown next value 7"):
+        asyncio.run(receive())

@@ -1,14 +1,12 @@
 """The activation rows a session owes the edge's drafter, computed when they go out.
 
 The server half of the drafter (ActivationSource, cloud_server/moa/activations.py) turns what a
-forward verified into one row per cache position. An edge whose drafts come too late to be
-used rests and pauses the rows (Draft.rows_paused, edge_client/paced_drafts.py); on a link slower
-than the server's forward it opens the next generation resting (Open.rows_paused) and may want
-none at all. The rows of such a time are computed once the edge asks for them again, in one
-call from what the forwards kept, and never if it does not: computed after every forward
-they cost a measurable share of a decoding step (results log, `latency_lazy_rows`), and a
-paced session whose edge rests is otherwise exactly server-side speculation. Runs on the
-model thread; knows nothing of gRPC.
+forward verified into one row per cache position. While the server tells the edge to rest
+(Verdict.next, cloud_server/decoding/pacing.py) the edge drafts nothing and needs no rows: those
+of such a time are computed once a Verdict asks for a draft again, in one call from what the
+forwards kept, and never if none does. Computed after every forward they cost a measurable
+share of a decoding step (results log, `latency_lazy_rows`), and a paced session at rest is
+otherwise exactly server-side speculation. Runs on the model thread; knows nothing of gRPC.
 """
 from __future__ import annotations
 
@@ -37,10 +35,10 @@ class ActivationSource(Protocol):
 class RowKeeper:
     """Every verified cache position's row, computed at the latest when a Verdict takes it."""
 
-    def __init__(self, source: ActivationSource, form: ActivationFormat, paused: bool = False):
+    def __init__(self, source: ActivationSource, form: ActivationFormat):
         self.source = source
         self.form = form
-        self.paused = paused  # the edge wants no rows for now: Verdicts carry none
+        self.paused = False  # the edge is told to rest: Verdicts carry no rows
         self._rows = np.zeros((0, 0), dtype=np.float16)  # [computed positions, width]
         # Verified positions not computed yet: (start, end, their captured layer outputs)
         self._pending: list[tuple[int, int, torch.Tensor | None]] = []

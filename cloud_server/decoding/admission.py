@@ -14,7 +14,9 @@ from cloud_server.decoding.stops import StopRule
 from cloud_server.target import TargetModel
 from shared.acceptance import AcceptanceMode
 from shared.errors import InvalidRequest
-from shared.messages import ActivationFormat, FinishReason, Limits, OpenRequest, Pace
+from shared.messages import (
+    PROTOCOL_VERSION, ActivationFormat, FinishReason, Limits, OpenRequest, Pace,
+)
 from shared.sampling import SamplingParams
 
 DEFAULT_SAMPLING_MODE = AcceptanceMode.TOPK_DRAFTS
@@ -37,15 +39,13 @@ class SessionSpec:
     activations: ActivationFormat | None  # the rows the edge's drafter reads, if any
     pace: Pace
     lead: int
-    trailing_rows: bool  # paced: rows may follow a Verdict
-    acks_rows: bool  # ... and are acknowledged
-    rows_paused: bool  # ... and none are wanted until a draft asks again
 
 
 def admit(request: OpenRequest, target: TargetModel, limits: Limits,
           serves_activations: bool) -> SessionSpec:
     """The spec of the session `request` opens, checked in the order a client fixes its
     request. `serves_activations`: this server computes rows for the edge's drafter."""
+    check_protocol(request)
     prompt = prompt_ids(request, target, limits)
     budget, cap_reason = token_budget(request.max_new_tokens, len(prompt), target, limits)
     acceptance = acceptance_mode(request)
@@ -55,14 +55,16 @@ def admit(request: OpenRequest, target: TargetModel, limits: Limits,
     if request.activations is not None and not serves_activations:
         raise InvalidRequest(f"this server has no drafter for {target.model_id} and sends "
                              "no activations: choose a drafter that needs none")
-    acks_rows = request.trailing_rows and request.acks_rows
-    if request.rows_paused and not acks_rows:
-        raise InvalidRequest("rows_paused needs trailing_rows and acks_rows: only a client "
-                             "that acknowledges rows can ask for them again")
     return SessionSpec(
         limits, prompt, history, budget, cap_reason, request.sampling, acceptance, seed, stops,
-        request.activations, request.pace or Pace.LOCKSTEP, request.lead, request.trailing_rows,
-        acks_rows, request.rows_paused)
+        request.activations, request.pace or Pace.LOCKSTEP, request.lead)
+
+
+def check_protocol(request: OpenRequest) -> None:
+    """A client of another protocol version would misread the Verdicts: refused, by name."""
+    if request.protocol_version != PROTOCOL_VERSION:
+        raise InvalidRequest(f"the client speaks protocol {request.protocol_version or 1}, "
+                             f"this server {PROTOCOL_VERSION}: upgrade the client")
 
 
 def prompt_ids(request: OpenRequest, target: TargetModel, limits: Limits) -> tuple[int, ...]:

@@ -2,22 +2,23 @@
 the client's freshest draft (if any) with the server's own candidates, each Verdict sent
 (docs/architecture.md, "Pacing").
 
-Every way the server decodes is this loop with a different wait policy (pacing.py) and
-forward builder (forward_builder.py): lock-step is AlwaysWait with no candidates of its own;
-server pace is NeverWait; auto pace is AutoPace; server-side generation (Generate) and a session
-going on after its stream broke are NeverWait over an inbox nobody fills. Flow control keeps
+Every way the server decodes is this loop with a different pace rule (pacing.py) and forward
+builder (forward_builder.py): lock-step is Lockstep with no candidates of its own; server pace
+is ServerPace; auto pace is AutoPace; server-side generation (Generate) and a session going on
+after its stream broke are the base PaceRule over an inbox nobody fills. Flow control keeps
 the server at most `lead` tokens past what the client acknowledged. Runs on the event loop;
 knows nothing of gRPC or of the model: the caller hands it a forward and a send.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable, Protocol, Sequence
 
-from cloud_server.decoding.pacing import WaitPolicy
+from cloud_server.decoding.pacing import PaceRule
 from cloud_server.rpc.stream_buffers import Inbox
-from shared.messages import DraftRequest, Verdict
+from shared.messages import DraftRequest, Next, Verdict
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,9 @@ class Forwarded:
 # None: the session was taken over before the forward could run
 Forward = Callable[[DraftRequest | None, float], Awaitable[Forwarded | None]]
 Send = Callable[[Verdict], Awaitable[None]]
+# Hears, before each forward, what its Verdict will tell the client: rows flow only while
+# drafts are asked for (activation_rows.py)
+Told = Callable[[Next | None], None]
 
 
 class Decoding(Protocol):
@@ -47,43 +51,63 @@ class Decoding(Protocol):
 
 class DecodeLoop:
     """Runs one session's forwards. `forward(draft, queued_at)` verifies a draft (None: the
-    server's own candidates only) on the model; `owned()`: no other stream took the session
-    over; `busy()`: other sessions have work on the model; `lead`: the most tokens past the
+    server's own candidates only) on the model; `told` hears what each Verdict will tell the
+    client before its forward runs; `draft_nodes()` sizes the draft a Verdict asks for (0: the
+    client sizes it); `owned()`: no other stream took the session over;
+    `busy()`: other sessions have work on the model; `lead`: the most tokens past the
     client's acknowledgement (None: no bound)."""
 
-    def __init__(self, session: Decoding, inbox: Inbox, policy: WaitPolicy, forward: Forward,
+    def __init__(self, session: Decoding, inbox: Inbox, rule: PaceRule, forward: Forward,
                  send: Send, lead: int | None = None, owned: Callable[[], bool] = lambda: True,
-                 busy: Callable[[], bool] = lambda: False):
-        self.session, self.inbox, self.policy = session, inbox, policy
-        self._forward, self._send = forward, send
+                 busy: Callable[[], bool] = lambda: False, told: Told = lambda next_: None,
+                 draft_nodes: Callable[[], int] = lambda: 0):
+        self.session, self.inbox, self.rule = session, inbox, rule
+        self._forward, self._send, self._told = forward, send, told
+        self._draft_nodes = draft_nodes
         self._lead, self._owned, self._busy = lead, owned, busy
+        self.opened = asyncio.Event()  # the first Verdict went out: the session has its prefill
 
     def _committed(self) -> int:
         return len(self.session.committed)
 
-    async def run(self) -> None:
-        """Until the generation finishes, the client goes away, the lead stops it with nobody
-        left to acknowledge, or another stream takes the session over."""
-        inbox, policy = self.inbox, self.policy
-        policy.sent(self._committed(), time.monotonic())  # the Verdict sent before the loop
+    async def run(self, first: Callable[[], Awaitable[Verdict]] | None = None) -> None:
+        """Sends the Verdict `first()` makes (a prefill's or a resume's), if any, then runs
+        forwards until the generation finishes, the client goes away, the lead stops it with
+        nobody left to acknowledge, or another stream takes the session over."""
+        if first is not None:
+            await self._round(first, measured=False)
+        self.opened.set()
         while not self._stopped():
-            if not await inbox.wait(self._room, None):
+            if not await self.inbox.wait(self._room, None):
                 break
-            await policy.wait(inbox, self._committed(), self._busy())
+            await self.rule.wait(self.inbox, self._committed(), self._busy())
             if self._stopped():  # while it waited, another stream may have taken it over
                 break
-            fresh, start = inbox.acked >= self._committed(), time.perf_counter()
-            forwarded = await self._forward(inbox.draft, start)
-            if forwarded is None:
+            if not await self._round(self._forwarding):
                 break
-            verdict = forwarded.verdict
-            inbox.used(verdict.draft_id)
-            policy.forwarded(len(verdict.tokens), fresh, time.perf_counter() - start,
-                             forwarded.alone)
-            if policy.answer_awaited(inbox, self._busy()):
-                verdict = replace(verdict, answer_awaited=True)
-            await self._send(verdict)
-            policy.sent(verdict.committed_length, time.monotonic())
+
+    async def _forwarding(self) -> Forwarded | None:
+        return await self._forward(self.inbox.draft, time.perf_counter())
+
+    async def _round(self, make: Callable[[], Awaitable[Forwarded | Verdict | None]],
+                     measured: bool = True) -> bool:
+        """Decides what the Verdict tells the client, makes it and sends it; False when the
+        session was taken over instead. `measured`: the rule learns from its forward."""
+        told = self.rule.decide(self._busy())
+        self._told(told)
+        made = await make()
+        if made is None:
+            return False
+        forwarded = made if isinstance(made, Forwarded) else Forwarded(made, None)
+        verdict = replace(forwarded.verdict, next=told,
+                          draft_nodes=self._draft_nodes() if told is Next.DRAFT else 0)
+        self.inbox.used(verdict.draft_id)
+        if measured:
+            self.rule.forwarded(len(verdict.tokens), forwarded.alone, verdict.draft_id != 0)
+        self.inbox.told(verdict.committed_length, told)
+        await self._send(verdict)
+        self.rule.sent(verdict.committed_length, told, time.monotonic())
+        return True
 
     def _stopped(self) -> bool:
         return self.session.finished or self.inbox.closed or not self._owned()

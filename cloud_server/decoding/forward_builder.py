@@ -43,6 +43,11 @@ class ForwardBuilder:
         self._budget = TreeBudget(verify_costs, session.spec.limits.max_tree_nodes)
         self._precedence = Precedence()
 
+    def draft_nodes(self) -> int:
+        """The most nodes of a client draft the next forward verifies (Verdict.draft_nodes): in
+        a merged forward the budget cuts what goes past it."""
+        return self._budget.nodes(self.own.load())
+
     def stepping(self, draft: DraftRequest | None, queued_at: float
                  ) -> Work[Forwarded | None]:
         """One forward; None, and no forward, when a resume took the session over after this
@@ -77,9 +82,7 @@ class ForwardBuilder:
         # client's follows are its accepted nodes, wherever the merge put them.
         client_path, own_path = client_tree.walk(said), own_tree.walk(said)
         self._precedence.observe(len(client_path), len(own_path))
-        redundant = 0 < len(client_path) <= len(own_path)  # the draft added nothing
-        return Forwarded(replace(verdict, accepted_nodes=tuple(client_path),
-                                 draft_redundant=redundant), len(own_path) + 1)
+        return Forwarded(replace(verdict, accepted_nodes=tuple(client_path)), len(own_path) + 1)
 
 
 class Precedence:

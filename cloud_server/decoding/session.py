@@ -48,7 +48,7 @@ class Session:
         self.prompt_ids = spec.prompt_ids
         self.committed: list[int] = [*spec.prompt_ids, *spec.history]
         self._row_keeper = None if activations is None or spec.activations is None else (
-            RowKeeper(activations, spec.activations, spec.rows_paused and self.paced))
+            RowKeeper(activations, spec.activations))
         self.rounds = 0
         # Raised by each takeover (a resume): paced work handed in under an older epoch runs
         # no forward (ForwardBuilder.stepping), so nothing is committed behind a catch-up.
@@ -176,9 +176,9 @@ class Session:
         return self.spec.pace is not Pace.LOCKSTEP
 
     def pause_rows(self, paused: bool) -> None:
-        """The edge wants no activation rows for now (Draft.rows_paused), or wants them again:
-        the next Verdict then carries every row the pause held back. Paced sessions only; in
-        lock-step the edge drafts from the rows of every Verdict."""
+        """The Verdicts tell the edge to rest, so it wants no activation rows for now, or ask
+        for drafts again: the next Verdict then carries every row the pause held back. Paced
+        sessions only; in lock-step the edge drafts from the rows of every Verdict."""
         if self._row_keeper is not None and self.paced:
             self._row_keeper.paused = paused
 

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import replace
+from functools import partial
 from typing import AsyncIterator, Callable, TypeVar
 
+from cloud_server.decoding.admission import check_protocol
 from cloud_server.rpc.artifacts import ArtifactStore
 from cloud_server.decoding.batching import Batcher
 from cloud_server.rpc.client_stream import ClientStream
@@ -92,15 +94,15 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
             raise OutOfOrder("no open session on this stream: the first message must be open")
         owner = object()  # this stream, as the session table knows it
         session, resumed = await self._attach(opening, owner, caller(context))
-        session.pause_rows(opening.rows_paused)  # a resumed session: as this stream asks
         try:
             # Opened goes first, its prompt ids on the link while the prompt runs (as
             # Generate's): after the prefill they came between the first token and the client
             await stream.send(session.opened(resumed))
-            first = (await self._on_model(session.catch_up, opening.resume) if resumed
-                     else await self.batcher.run(session.prefilling(), session.id))
-            ended = await self.streams.decode(session, stream, owner, first,
-                                              opening.rows_paused)
+            first = (partial(self._on_model, session.catch_up, opening.resume) if resumed
+                     else partial(self.batcher.run, session.prefilling(), session.id))
+            client = caller(context) or context.peer()
+            ended = await self.streams.decode(session, stream, owner, first, client,
+                                              opening.rtt_ms)
         except SplitDecodingError:
             self.sessions.release(session, owner)
             raise
@@ -120,6 +122,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
         (only `by`, the client that opened it, may). A resume of a session the server no
         longer holds rebuilds it from the edge's history."""
         if request.resume is not None:
+            check_protocol(request)
             if request.prompt_ids is None:
                 raise InvalidRequest("resume needs the prompt as the input_ids Opened answered")
             held = self.sessions.take_over(request.resume.session_id, owner, by)
@@ -134,8 +137,7 @@ class SplitDecodingService(pb_grpc.SplitDecodingServicer):
     async def _new_session(self, request: OpenRequest, owner: object,
                            by: str | None = None) -> Session:
         self.sessions.reserve()
-        pace, lead = self.config.pacing.resolve(request.pace, request.lead,
-                                                reads_rows=request.activations is not None)
+        pace, lead = self.config.pacing.resolve(request.pace, request.lead)
         request = replace(request, pace=pace, lead=lead)
         source = None if self.drafter is None else self.drafter.activations
         session = await self._on_model(Session.open, self.target, self.config.limits, request,

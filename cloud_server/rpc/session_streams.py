@@ -10,20 +10,21 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+from typing import Awaitable, Callable
 
 from cloud_server.decoding.batching import Batcher
 from cloud_server.rpc.client_stream import ClientStream
 from cloud_server.config import ServerConfig
 from cloud_server.decoding.decode_loop import DecodeLoop, Forward
 from cloud_server.decoding.forward_builder import ForwardBuilder
-from cloud_server.decoding.pacing import NeverWait, wait_policy
+from cloud_server.decoding.pacing import PaceMemory, PaceRule
 from cloud_server.decoding.server_decoding import ServerDecoder, own_drafter
 from cloud_server.decoding.session import Session
 from cloud_server.decoding.session_table import SessionTable
 from cloud_server.rpc.stream_buffers import Inbox, Outbox
 from shared import wire
 from shared.errors import OutOfOrder, SplitDecodingError
-from shared.messages import CloseRequest, DraftRequest, OpenRequest, Verdict
+from shared.messages import CloseRequest, DraftRequest, Next, OpenRequest, Verdict
 
 log = logging.getLogger(__name__)
 # A paced Verdict carries its activations inside up to this size (a forward's few rows); more
@@ -58,32 +59,42 @@ class SessionStreams:
         self.verify_costs = verify_costs
         self.vocab_size = vocab_size
         self._alone: set[asyncio.Task] = set()  # sessions going on after their stream broke
+        self.paces = PaceMemory()
 
     async def decode(self, session: Session, stream: ClientStream, owner: object,
-                     first: Verdict, paused: bool) -> bool:
-        """Sends `first` (the prefill's or a resume's Verdict), then runs the decode loop at
-        the session's pace (decode_loop.py), the client's drafts read as they come; then Done.
-        `paused`: the client opened resting (Open.rows_paused): no rows, and no waiting for it,
-        until a draft says otherwise. Drafts still in flight after Done are dropped until the
-        client says Close, and anything after Close is refused as addressed to a closed
-        session. True when the session ended with Close; False when the stream stopped first
-        (the client went away, or a resume on another stream took the session over)."""
+                     first: Callable[[], Awaitable[Verdict]], client: str, rtt_ms: int
+                     ) -> bool:
+        """Sends the Verdict `first()` makes (the prefill's or a resume's), then runs the decode
+        loop at the session's pace (decode_loop.py), the client's drafts read as they come;
+        then Done. `client` names the client whose pace the server learns (PaceMemory);
+        `rtt_ms`: its round trip as its Open said (0: unknown). Drafts
+        still in flight after Done are dropped until the client says Close, and anything after
+        Close is refused as addressed to a closed session. True when the session ended with
+        Close; False when the stream stopped first (the client went away, or a resume on
+        another stream took the session over)."""
         inbox = Inbox(len(session.committed), answers_each=not session.paced)
-        inbox.resting = paused
         own = self.config.pacing.drafter if session.paced else None
         builder = ForwardBuilder(session, self._own_decoder(session, own, 0), self.verify_costs)
         outbox = self._outbox(stream, session)
-        outbox.held(0, paused)
-        reader = asyncio.create_task(self._fill(session, stream, owner, inbox, outbox))
-        loop = DecodeLoop(session, inbox, wait_policy(session.spec.pace),
-                          self._forward(builder, session.id), outbox.send, session.spec.lead,
-                          lambda: self.sessions.owns(session, owner),
-                          lambda: self.config.pacing.load_wait and self.batcher.pending > 0)
+        rule = self.paces.rule(client, session.spec.pace, rtt_ms / 1000 if rtt_ms else None,
+                               self.verify_costs[0][1] / 1000)
+        busy = lambda: self.config.pacing.load_wait and self.batcher.pending > 0  # noqa: E731
+
+        def told(next_: Next | None) -> None:
+            session.pause_rows(next_ is Next.REST)
+            outbox.pause(next_ is Next.REST)
+
+        loop = DecodeLoop(session, inbox, rule, self._forward(builder, session.id),
+                          outbox.send, session.spec.lead,
+                          lambda: self.sessions.owns(session, owner), busy, told,
+                          builder.draft_nodes if session.paced else lambda: 0)
+        reader = asyncio.create_task(self._fill(session, stream, owner, inbox, outbox,
+                                                loop.opened))
         try:
             # its rows can take the link a second: no forward waits for them, only for the
             # Verdict to be handed to gRPC (Outbox.send)
-            await outbox.send(first)
-            await loop.run()
+            await loop.run(first)
+            self.paces.keep(client, rule)
             if not session.finished and await reader is _Ended.GONE:
                 self._go_on_alone(session, builder, inbox.acked)
                 return False
@@ -100,7 +111,8 @@ class SessionStreams:
         except SplitDecodingError:
             raise
         except BaseException:  # the stream broke
-            self._go_on_alone(session, builder, inbox.acked)
+            if loop.opened.is_set():
+                self._go_on_alone(session, builder, inbox.acked)
             raise
         finally:
             reader.cancel()
@@ -115,7 +127,7 @@ class SessionStreams:
         builder = ForwardBuilder(session, own, self.verify_costs, names_own=True)
         await stream.send(session.opened())
         await stream.send(await self.batcher.run(own.prefilling(), session.id))
-        await DecodeLoop(session, Inbox(len(session.committed), fed=False), NeverWait(),
+        await DecodeLoop(session, Inbox(len(session.committed), fed=False), PaceRule(),
                          self._forward(builder, session.id), stream.send).run()
         await stream.send(session.done())
 
@@ -138,7 +150,7 @@ class SessionStreams:
         resume takes the session over. A lock-step session waits for its client."""
         if session.finished or not session.paced:
             return
-        loop = DecodeLoop(session, Inbox(acked, fed=False), NeverWait(),
+        loop = DecodeLoop(session, Inbox(acked, fed=False), PaceRule(),
                           self._forward(builder, None), _nobody, session.spec.lead,
                           lambda: self.sessions.owns(session, None))
         task = asyncio.get_running_loop().create_task(loop.run())
@@ -151,11 +163,13 @@ class SessionStreams:
             log.warning("a detached session stopped: %s", task.exception())
 
     async def _fill(self, session: Session, stream: ClientStream, owner: object, inbox: Inbox,
-                    outbox: Outbox) -> _Ended:
-        """Reads the client's drafts into the inbox, and the rows it says it holds into the
-        outbox, until it closes, the stream ends or another stream takes the session over;
-        drafts that arrive after the end are dropped."""
+                    outbox: Outbox, opened: asyncio.Event) -> _Ended:
+        """Once the first Verdict is out (`opened`), reads the client's drafts into the inbox,
+        and the rows it says it holds into the outbox, until it closes, the stream ends or
+        another stream takes the session over; drafts that arrive after the end are
+        dropped."""
         try:
+            await opened.wait()
             while True:
                 msg = await stream.read()
                 if msg is None or not self.sessions.owns(session, owner):
@@ -168,8 +182,7 @@ class SessionStreams:
                     self._check_draft(session, msg)
                     inbox.put(msg, len(session.committed))
                     if msg.rows_held is not None:
-                        outbox.held(msg.rows_held, msg.rows_paused)
-                        session.pause_rows(msg.rows_paused)
+                        outbox.held(msg.rows_held)
         finally:
             inbox.close()
 
@@ -181,19 +194,16 @@ class SessionStreams:
 
     def _outbox(self, stream: ClientStream, session: Session) -> Outbox:
         """A paced session's Verdict goes before its activations when they are many (the
-        prompt's): the client shows the tokens at once and the server runs on meanwhile. A
-        client that acknowledges rows gets them in small parts, a few in flight
+        prompt's): the client shows the tokens at once and the server runs on meanwhile. The
+        rows go in small parts, a few in flight, as the client acknowledges them
         (stream_buffers.py, Outbox). In lock-step the client drafts from the rows next, so
-        they stay inside (ClientStream.send), as they do for a client that does not read
-        trailing rows."""
-        if not session.spec.trailing_rows or not session.paced:
+        they stay inside (ClientStream.send); a session without rows needs neither."""
+        if not session.paced or session.spec.activations is None:
             return Outbox(stream.send)
-        acked = session.spec.acks_rows
-        largest = self.config.limits.max_message_bytes // 2
-        part = min(ROWS_PART_BYTES, largest) if acked else largest
+        part = min(ROWS_PART_BYTES, self.config.limits.max_message_bytes // 2)
         return Outbox(stream.send,
                       lambda verdict: wire.trailing(verdict, INLINE_ACTIVATION_BYTES, part),
-                      ROWS_IN_FLIGHT_BYTES if acked else None)
+                      ROWS_IN_FLIGHT_BYTES)
 
     def shutdown(self) -> None:
         """Stops the sessions going on alone."""

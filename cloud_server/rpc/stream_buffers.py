@@ -1,6 +1,6 @@
-"""The two streams of a server-paced Decode session (pacing.py): the Inbox of the client's drafts
-and acknowledgements, and the Outbox of Verdicts under flow control. Knows nothing of the policy
-that decides when to forward."""
+"""The two streams of a Decode session: the Inbox of the client's drafts and acknowledgements,
+and the Outbox of Verdicts under flow control. Knows nothing of the rule that decides when to
+forward (pacing.py)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,15 +12,15 @@ from typing import Awaitable, Callable
 
 from shared import wire
 from shared.errors import OutOfOrder
-from shared.messages import ActivationRows, DraftRequest, Verdict
+from shared.messages import ActivationRows, DraftRequest, Next, Verdict
 
 
 class Inbox:
-    """The freshest client draft, the longest committed length the client acknowledged and
-    whether it rests, filled by the stream's reader as messages arrive. `answers_each`
-    (lock-step): every draft answers the latest Verdict, so one from an older length is out of
-    order. `fed` False: no client fills it (server-side generation, a session going on after
-    its stream broke); nothing is waited for."""
+    """The freshest client draft and the longest committed length the client acknowledged,
+    filled by the stream's reader as messages arrive. `answers_each` (lock-step): every draft
+    answers the latest Verdict, so one from an older length is out of order; so is a draft
+    from a Verdict that said rest (`told`). `fed` False: no client fills it (server-side
+    generation, a session going on after its stream broke); nothing is waited for."""
 
     def __init__(self, acked: int, answers_each: bool = False, fed: bool = True):
         self.answers_each, self.fed = answers_each, fed
@@ -28,10 +28,8 @@ class Inbox:
         self.acked = acked
         self.acked_at = time.monotonic()
         self.closed = False  # the client closed its side, or the stream ended
-        # The client rests from drafting (Draft.rows_paused): it answers only now and then
-        self.resting = False
-        self.drafted = False  # a draft with nodes has come
         self.answers = 0  # messages put
+        self._resting: set[int] = set()  # committed lengths whose Verdict said rest
         self._last_id = 0
         self._changed = asyncio.Event()
 
@@ -42,14 +40,23 @@ class Inbox:
                                              and draft.base_length < committed):
             raise OutOfOrder(f"draft continues {draft.base_length} tokens, but {committed} are "
                              "committed")
+        if len(draft.tree) and draft.base_length in self._resting:
+            raise OutOfOrder(f"draft {draft.round_id} continues {draft.base_length} tokens, "
+                             "where the server said rest: draft only from a Verdict that "
+                             "says draft")
         self._last_id = draft.round_id
         self.answers += 1
-        self.resting = draft.rows_paused
         if draft.base_length > self.acked:
             self.acked, self.acked_at = draft.base_length, time.monotonic()
+            self._resting = {n for n in self._resting if n >= self.acked}
         if len(draft.tree):
-            self.draft, self.drafted = draft, True
+            self.draft = draft
         self._wake()
+
+    def told(self, committed: int, told: Next | None) -> None:
+        """The Verdict that made `committed` told the client `told`."""
+        if told is Next.REST:
+            self._resting.add(committed)
 
     def close(self) -> None:
         self.closed = True
@@ -103,10 +110,9 @@ class Outbox:
     (edge_client/link.py) and the Verdicts behind them waited a round trip for the window to
     reopen (results log, `latency_packed`). A Verdict's own few rows go inside it only while
     none wait and the budget has room; else they join the backlog behind the others, so rows
-    arrive in order. A client whose drafts come too late to be used pauses the rows
-    (Draft.rows_paused, edge_client/paced_drafts.py): those waiting stay until it wants them
-    again, and the session computes no new ones meanwhile
-    (cloud_server/decoding/activation_rows.py): the first Verdict after carries them. `flush`
+    arrive in order. While the Verdicts tell the client to rest, rows are paused (`pause`):
+    those waiting stay until a Verdict asks for a draft again, and the session computes no
+    new ones meanwhile (cloud_server/decoding/activation_rows.py). `flush`
     drops the rows still waiting at the end (and wire.trailing cuts a last Verdict's many rows):
     nobody drafts past the end.
     """
@@ -121,7 +127,7 @@ class Outbox:
         self._rows: deque[ActivationRows] = deque()
         self._written_end: int | None = None  # the end of the last rows written
         self._held = 0  # rows the client holds
-        self._paused = False  # the client wants no rows for now
+        self._paused = False  # the client is told to rest: it wants no rows for now
         self._wake = asyncio.Event()
         self._handed = asyncio.Event()  # set: every Verdict put is handed to the stream
         self._handed.set()
@@ -149,12 +155,16 @@ class Outbox:
                 async with asyncio.timeout(HAND_OFF_S):
                     await self._handed.wait()
 
-    def held(self, rows: int, paused: bool = False) -> None:
-        """The client holds the activation rows of positions [0, rows), and wants no more
-        for now when `paused`."""
+    def held(self, rows: int) -> None:
+        """The client holds the activation rows of positions [0, rows)."""
         self._held = max(self._held, rows)
-        self._paused = paused
         self._wake.set()
+
+    def pause(self, paused: bool) -> None:
+        """Holds the rows waiting while the client rests (`paused`), or lets them go."""
+        if paused is not self._paused:
+            self._paused = paused
+            self._wake.set()
 
     async def flush(self) -> None:
         """Waits until every Verdict put is written; the outbox takes nothing after."""

@@ -41,6 +41,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
     FINISH_REASON_STOP_STRING: _ClassVar[FinishReason]
+
+class Next(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NEXT_UNSPECIFIED: _ClassVar[Next]
+    NEXT_DRAFT: _ClassVar[Next]
+    NEXT_REST: _ClassVar[Next]
 ARTIFACT_KIND_UNSPECIFIED: ArtifactKind
 ARTIFACT_KIND_TOKENIZER: ArtifactKind
 ARTIFACT_KIND_DRAFTER_BUNDLE: ArtifactKind
@@ -61,6 +67,9 @@ FINISH_REASON_STOP_TOKEN: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_CONTEXT: FinishReason
 FINISH_REASON_STOP_STRING: FinishReason
+NEXT_UNSPECIFIED: Next
+NEXT_DRAFT: Next
+NEXT_REST: Next
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -195,7 +204,7 @@ class Sampling(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Open(_message.Message):
-    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations", "pace", "lead", "trailing_rows", "acks_rows", "rows_paused")
+    __slots__ = ("input_ids", "chat", "max_new_tokens", "sampling", "acceptance", "stop_token_ids", "stop_strings", "resume", "activations", "pace", "lead", "protocol_version", "rtt_ms")
     INPUT_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -207,9 +216,8 @@ class Open(_message.Message):
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     PACE_FIELD_NUMBER: _ClassVar[int]
     LEAD_FIELD_NUMBER: _ClassVar[int]
-    TRAILING_ROWS_FIELD_NUMBER: _ClassVar[int]
-    ACKS_ROWS_FIELD_NUMBER: _ClassVar[int]
-    ROWS_PAUSED_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RTT_MS_FIELD_NUMBER: _ClassVar[int]
     input_ids: TokenIds
     chat: ChatPrompt
     max_new_tokens: int
@@ -221,10 +229,9 @@ class Open(_message.Message):
     activations: ActivationFormat
     pace: Pace
     lead: int
-    trailing_rows: bool
-    acks_rows: bool
-    rows_paused: bool
-    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ..., trailing_rows: _Optional[bool] = ..., acks_rows: _Optional[bool] = ..., rows_paused: _Optional[bool] = ...) -> None: ...
+    protocol_version: int
+    rtt_ms: int
+    def __init__(self, input_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatPrompt, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., acceptance: _Optional[_Union[AcceptanceMode, str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., stop_strings: _Optional[_Iterable[str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., activations: _Optional[_Union[ActivationFormat, str]] = ..., pace: _Optional[_Union[Pace, str]] = ..., lead: _Optional[int] = ..., protocol_version: _Optional[int] = ..., rtt_ms: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("session_id", "generated_ids", "rows_held")
@@ -247,7 +254,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[Open, _Mapping]] = ..., drafter: _Optional[str] = ..., tree_nodes: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("round_id", "base_length", "tokens", "parents", "q", "alias_nodes", "alias_targets", "rows_held", "rows_paused")
+    __slots__ = ("round_id", "base_length", "tokens", "parents", "q", "alias_nodes", "alias_targets", "rows_held")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BASE_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -256,7 +263,6 @@ class Draft(_message.Message):
     ALIAS_NODES_FIELD_NUMBER: _ClassVar[int]
     ALIAS_TARGETS_FIELD_NUMBER: _ClassVar[int]
     ROWS_HELD_FIELD_NUMBER: _ClassVar[int]
-    ROWS_PAUSED_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     base_length: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -265,8 +271,7 @@ class Draft(_message.Message):
     alias_nodes: _containers.RepeatedScalarFieldContainer[int]
     alias_targets: _containers.RepeatedScalarFieldContainer[int]
     rows_held: int
-    rows_paused: bool
-    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ..., alias_nodes: _Optional[_Iterable[int]] = ..., alias_targets: _Optional[_Iterable[int]] = ..., rows_held: _Optional[int] = ..., rows_paused: _Optional[bool] = ...) -> None: ...
+    def __init__(self, round_id: _Optional[int] = ..., base_length: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[DraftQ, _Mapping]]] = ..., alias_nodes: _Optional[_Iterable[int]] = ..., alias_targets: _Optional[_Iterable[int]] = ..., rows_held: _Optional[int] = ...) -> None: ...
 
 class DraftQ(_message.Message):
     __slots__ = ("node", "tokens", "probs")
@@ -319,7 +324,7 @@ class ServerTimings(_message.Message):
     def __init__(self, queue_ms: _Optional[float] = ..., verify_ms: _Optional[float] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations", "draft_id", "more", "answer_awaited", "draft_redundant")
+    __slots__ = ("round_id", "accepted_nodes", "tokens", "committed_length", "finish_reason", "timings", "activations", "draft_id", "more", "next", "draft_nodes")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_NODES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -329,8 +334,8 @@ class Verdict(_message.Message):
     ACTIVATIONS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ID_FIELD_NUMBER: _ClassVar[int]
     MORE_FIELD_NUMBER: _ClassVar[int]
-    ANSWER_AWAITED_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_REDUNDANT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     accepted_nodes: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -340,9 +345,9 @@ class Verdict(_message.Message):
     activations: Activations
     draft_id: int
     more: bool
-    answer_awaited: bool
-    draft_redundant: bool
-    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., draft_id: _Optional[int] = ..., more: _Optional[bool] = ..., answer_awaited: _Optional[bool] = ..., draft_redundant: _Optional[bool] = ...) -> None: ...
+    next: Next
+    draft_nodes: int
+    def __init__(self, round_id: _Optional[int] = ..., accepted_nodes: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[ServerTimings, _Mapping]] = ..., activations: _Optional[_Union[Activations, _Mapping]] = ..., draft_id: _Optional[int] = ..., more: _Optional[bool] = ..., next: _Optional[_Union[Next, str]] = ..., draft_nodes: _Optional[int] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("finish_reason", "generated_tokens", "rounds")

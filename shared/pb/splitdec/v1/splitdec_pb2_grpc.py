@@ -77,7 +77,8 @@ class SplitDecodingServicer:
         """One stream per generation: Open, then Draft after Draft, then Close.
         The server answers Opened, then Verdicts (round 0 answers the prefill), then Done. At
         PACE_LOCKSTEP one Verdict answers each Draft; at PACE_SERVER and PACE_AUTO one Verdict
-        reports each forward pass, whether or not it verified a Draft (Verdict.draft_id).
+        reports each forward pass, whether or not it verified a Draft (Verdict.draft_id), and
+        says what the client does next (Verdict.next).
         Errors end the stream with a gRPC status and a message; the server keeps serving others.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
