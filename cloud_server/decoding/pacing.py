@@ -43,8 +43,8 @@ class PacingPolicy:
 
 EMA_WEIGHT = 0.2  # AutoPace's running means: about the last five forwards (or replies) count
 LOADED_WAIT_STEPS = 4  # under load: the longest wait for a draft that adds tokens, in steps
-# What AutoPace assumes a draft commits before it has measured one (the first measurement
-# replaces it), and what the server's own candidates commit before a forward is measured
+# What AutoPace assumes a forward commits with a draft and alone before it has measured any
+# (protocol 1's priors); the first is worth PRIOR_FORWARDS measured forwards
 PRIOR_GAIN_WITH, PRIOR_GAIN_ALONE = 2.0, 1.2
 # The most a draft is expected to commit at best, for deciding whether a probe could ever pay:
 # MoA, the best drafter measured, averaged 2.42 a forward and 2.86 on its best set with trees
@@ -53,7 +53,7 @@ GAIN_CEILING = 3.0
 # Forwards at rest before asking for a draft again; doubles with each probe, up to a few
 # generations' worth: a probe brings every row the rest held back
 PROBE_GAP, MAX_PROBE_GAP = 8, 256
-PRIOR_FORWARDS = 2  # how many measured forwards the prior gain_with counts as
+PRIOR_FORWARDS = 2
 
 
 class PaceRule:
