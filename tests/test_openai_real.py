@@ -37,11 +37,10 @@ def test_openai_client_gets_the_cli_answer():
     assert whole.choices[0].message.content == streamed == answer
     assert whole.usage.completion_tokens == 24 and whole.choices[0].finish_reason == "length"
     stats = whole.model_extra["split_decoding"]
-    # Whether prompt lookup's drafts land before the server passes them is a race (with the
-    # 4-bit engine a step takes ~16 ms): the edge drafted and the server judged every draft.
-    assert stats["tau"] >= 1 and stats["pace"] == "server"
+    # The server owns the pace: whether it asks prompt lookup for drafts here is its call
+    # (cloud_server/decoding/pacing.py), so only the report's shape is asserted.
+    assert stats["tau"] >= 1 and stats["pace"] == "auto"
     assert set(stats["drafts"]) == {"used", "earned", "late", "wrong"}
-    assert sum(stats["drafts"][k] for k in ("used", "late", "wrong")) > 0
     assert all(s.usage.completion_tokens == 8 for s in sampled)
 
 
