@@ -15,14 +15,17 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.drafter_source import DrafterPool
 from edge_client.drafters.moa import MoaDrafter
 from edge_client.drafters.moa_bundle import bundle_cache_dir
+from edge_client.drafters.trained import trained_drafter
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
 from shared.messages import (
-    ActivationFormat, ArtifactKind, FinishReason, Limits, OpenRequest, Pace,
+    ActivationFormat, ArtifactKind, FinishReason, Limits, Next, OpenRequest, Pace,
 )
 from netsim import LinkProfile, NetworkConditions, OutageMode, ProxyThread
+from shared.drafting.base import DrafterName
 from shared.sampling import SamplingParams
 from cloud_server.config import ServerConfig
+from cloud_server.decoding.pacing import AutoPace
 from testkit.moa_runs import LIMITS, MAX_NEW, PROMPTS, run
 from testkit.oracle_drafters import SupportOracle, TargetCopy, TwinBranchOracle
 from testkit.waiting import Progress
@@ -165,16 +168,25 @@ def test_draft_graphs_need_a_server_that_unrolls_them(moa_server, tmp_path, monk
         run(moa_server.address, ClientOptions("moa", 16, MAX_NEW, draft_graphs=True))
 
 
-def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("rested", [False, True], ids=["drafting", "at-rest-from-the-start"])
+def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tiny_bundle, tmp_path,
+                                              monkeypatch, rested):
+    """At rest from the first Verdict the server sends no rows, so MoA (here without prompt
+    lookup, which could draft from the text) has nothing to draft from: the edge drafts
+    offline from the text alone (generation_drafts._offline_drafter)."""
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+    if rested:
+        monkeypatch.setattr(AutoPace, "decide", lambda self, busy: Next.REST)
+        lend(monkeypatch, lambda: trained_drafter(tiny_bundle, DrafterName.MOA, lookup_nodes=0))
     conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=15),
                                              outage_mode=OutageMode.CUT)
+    request = OpenRequest(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW,
+                          pace=Pace.AUTO if rested else None)
 
     async def go(proxy: ProxyThread):
         async with EdgeClient(proxy.address, ClientOptions("moa", 1, MAX_NEW)) as client:
             progress = Progress()
-            task = asyncio.create_task(client.generate(
-                OpenRequest(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW), progress))
+            task = asyncio.create_task(client.generate(request, progress))
             await progress.reached(2)  # the prefill's token and a round's: mid-generation
             proxy.start_outage(1.0)
             return await asyncio.wait_for(task, 60)
@@ -184,6 +196,7 @@ def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tmp_path,
     plain = plain_greedy(tiny_target, PROMPTS[0], MAX_NEW)
     assert compare(tiny_target, PROMPTS[0], result.output_ids, plain).lossless
     assert result.offline_tokens > 0 and result.reconnects >= 1
+    assert result.drafts.settled == 0 if rested else result.drafts.settled > 0
 
 
 def test_moa_is_refused_by_a_server_without_a_drafter(tiny_server):
