@@ -276,7 +276,7 @@ def render(rows: list[dict]) -> str:
 
 
 def _outcomes(drafts: dict[str, int]) -> str:
-    """Shares of a paced method's settled drafts (paced_drafts.py, DraftOutcomes)."""
+    """Shares of a paced method's settled drafts (reporting.py, DraftOutcomes)."""
     settled = sum(drafts.values())
     if not settled:
         return "-"

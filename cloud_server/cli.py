@@ -10,8 +10,7 @@ import asyncio
 import sys
 
 from cloud_server.decoding.batching import DEFAULT_MAX_TOKENS
-from cloud_server.config import ServerConfig
-from cloud_server.decoding.pacing import PacingPolicy
+from cloud_server.config import PacingPolicy, ServerConfig
 from shared.drafting import SERVER_DRAFTERS
 from cloud_server.device import Device, EngineChoice, Graphs, Precision, Weights
 from shared import progress

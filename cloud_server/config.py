@@ -9,8 +9,30 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from cloud_server.decoding.batching import DEFAULT_MAX_TOKENS
-from cloud_server.decoding.pacing import PacingPolicy
-from shared.messages import Limits
+from shared.drafting.base import DrafterName
+from shared.messages import Limits, Pace
+
+
+@dataclass(frozen=True)
+class PacingPolicy:
+    """The server's side of pacing: what a session gets when its Open leaves pace or lead
+    unset, the most lead it may ask for, the drafter the server runs for its own candidates
+    (None: a forward without client candidates is a plain decoding step), and whether `auto`
+    waits longer for drafts while other sessions have work queued."""
+
+    pace: Pace = Pace.LOCKSTEP
+    # Covers the client's acknowledgements queued behind a prompt's rows on a slow link
+    # (results log, `pacing_notes`); a dead link costs at most this many tokens of forwards,
+    # and they are kept for a resume.
+    lead: int = 128
+    max_lead: int = 256
+    # Token Recycling: it drafts best of the server's own drafters (results log, `recycle_tau`)
+    drafter: DrafterName | None = DrafterName.RECYCLE
+    load_wait: bool = True
+
+    def resolve(self, pace: Pace | None, lead: int) -> tuple[Pace, int]:
+        """The session's pace and lead, from what its Open asked (None, 0: the defaults)."""
+        return pace or self.pace, min(lead or self.lead, self.max_lead)
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str
         "reconnects": result.reconnects,
         "outage_s": round(result.outage_s, 3),
         "hidden_draft_s": round(result.hidden_draft_s, 4),
-        # paced sessions: what became of the drafts (paced_drafts.py, DraftOutcomes)
+        # paced sessions: what became of the drafts (reporting.py, DraftOutcomes)
         **{f"drafts_{name}": value for name, value in asdict(result.drafts).items()},
     }
 

@@ -1,13 +1,13 @@
-"""The edge's side of a paced session: the server owns the pace (Verdict.next), and the edge
-follows. Told to draft, it drafts unless its last draft still continues the committed text (the
-server re-roots it, shared/rerooting.py), and then only acknowledges; told to rest, it drafts
-nothing and acknowledges once per quarter of the lead. What became of each draft is counted.
+"""The edge follows the server's pace (Verdict.next). Told to draft, it drafts unless its last
+draft still continues the text (the server re-roots it: shared/rerooting.py); told to rest, it
+acknowledges once per quarter of the lead. It counts what became of each draft.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Sequence
 
+from edge_client.reporting import DraftOutcomes
 from shared.messages import DraftRequest, Verdict
 from shared.rerooting import reroot
 from shared.tree import DraftTree
@@ -15,25 +15,6 @@ from shared.tree import DraftTree
 # A resting edge acknowledges once per this share of the server's lead: often enough that the
 # lead never stops the server, seldom enough that answers do not cost the server's core
 ACKS_PER_LEAD = 4
-
-
-@dataclass
-class DraftOutcomes:
-    """What became of the drafts a paced generation sent, as the edge learns it: verified by a
-    forward (`used`; `earned` of them got a node accepted), passed by the server before any
-    forward could use them though its text followed them as far as it went (`late`: on time,
-    each would have offered right tokens), or left by the text at their first token (`wrong`).
-    A draft still live when the generation ends or its stream breaks is none of these. On a
-    slow link `late` is what the round trip costs; `wrong` is the drafter's."""
-
-    used: int = 0
-    earned: int = 0
-    late: int = 0
-    wrong: int = 0
-
-    @property
-    def settled(self) -> int:
-        return self.used + self.late + self.wrong
 
 
 class DraftFollower:
@@ -84,9 +65,8 @@ class DraftFollower:
         return True
 
     def verified(self, verdict: Verdict, context: Sequence[int]) -> DraftTree | None:
-        """The live draft as the server verified it in `verdict` (re-rooted at `context`, the
-        committed text before it), or None when the forward used none of the edge's nodes. A
-        used draft is spent: what it did not get accepted can never continue the text."""
+        """The live draft as `verdict` verified it, re-rooted at `context` (the text before
+        it); None when the forward used none of its nodes. A used draft is spent."""
         live = self._live
         if live is None or verdict.draft_id != live.round_id:
             return None

@@ -1,5 +1,6 @@
-"""What a generation reports: its result and stats when it ends (GenerationResult), and what
-a front end sees as it happens (Listener).
+"""What a generation reports: its result and stats when it ends (GenerationResult, with what
+became of a paced session's drafts: DraftOutcomes), and what a front end sees as it happens
+(Listener).
 
 Shared by every way the edge generates: split decoding (generate.py) and the server-only
 baselines (server_only.py).
@@ -9,8 +10,26 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from edge_client.paced_drafts import DraftOutcomes
 from shared.messages import FinishReason, Pace
+
+
+@dataclass
+class DraftOutcomes:
+    """What became of the drafts a paced generation sent, as the edge learns it: verified by a
+    forward (`used`; `earned` of them got a node accepted), passed by the server before any
+    forward could use them though its text followed them as far as it went (`late`: on time,
+    each would have offered right tokens), or left by the text at their first token (`wrong`).
+    A draft still live when the generation ends or its stream breaks is none of these. On a
+    slow link `late` is what the round trip costs; `wrong` is the drafter's."""
+
+    used: int = 0
+    earned: int = 0
+    late: int = 0
+    wrong: int = 0
+
+    @property
+    def settled(self) -> int:
+        return self.used + self.late + self.wrong
 
 
 @dataclass

@@ -271,7 +271,7 @@ def test_flags_the_mode_does_not_read_are_named(argv, unread):
 
 def test_the_stats_line_says_what_became_of_a_paced_sessions_drafts():
     from edge_client.cli import stats_line
-    from edge_client.paced_drafts import DraftOutcomes
+    from edge_client.reporting import DraftOutcomes
     from edge_client.reporting import GenerationResult
 
     paced = GenerationResult(output_ids=[1, 2, 3], rounds=2,

@@ -2,7 +2,8 @@
 acknowledgement may stay unsent while the server says rest, and what became of each draft."""
 from __future__ import annotations
 
-from edge_client.paced_drafts import ACKS_PER_LEAD, DraftFollower, DraftOutcomes
+from edge_client.paced_drafts import ACKS_PER_LEAD, DraftFollower
+from edge_client.reporting import DraftOutcomes
 from shared.messages import DraftRequest, Verdict
 from shared.tree import DraftTree
 

@@ -11,7 +11,7 @@ import pytest
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from edge_client.reporting import SilentListener
-from cloud_server.decoding.pacing import PacingPolicy
+from cloud_server.config import PacingPolicy
 from shared.drafting.base import DrafterName
 from shared.messages import FinishReason, Limits, Next, Pace
 from netsim import LinkProfile, NetworkConditions, ProxyThread

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
+from cloud_server.config import PacingPolicy
 from cloud_server.decoding.pacing import (
     GAIN_CEILING, LOADED_WAIT_STEPS, MAX_PROBE_GAP, PROBE_GAP, AutoPace, Lockstep, PaceMemory,
-    PaceRule, PacingPolicy, ServerPace,
+    PaceRule, ServerPace,
 )
 from cloud_server.rpc.stream_buffers import Inbox
 from shared.messages import DraftRequest, Next, Pace
