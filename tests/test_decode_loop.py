@@ -179,8 +179,8 @@ def test_server_runs_at_most_lead_tokens_past_the_acknowledgement(tiny_server):
         reader.start()
         opened = got.get(timeout=10).opened
         assert (opened.pace, opened.lead) == (pb.PACE_SERVER, lead)
-        committed = _last_length(got)
-        assert BASE + lead <= committed <= BASE + lead + 8
+        committed = _last_length(got, BASE + lead)
+        assert committed <= BASE + lead + 8
         sent.put(draft_msg(1, committed, (), ()))  # acknowledges all of it
         assert got.get(timeout=10).verdict.committed_length > committed
         call.cancel()
@@ -193,9 +193,12 @@ def _drain(call, got: queue.Queue) -> None:
             got.put(reply)
 
 
-def _last_length(got: queue.Queue) -> int:
-    """The committed length of the last Verdict before the stream goes quiet for 0.5 s."""
+def _last_length(got: queue.Queue, at_least: int) -> int:
+    """The committed length of the last Verdict once one has reached `at_least` (within 10 s
+    each) and the stream then goes quiet for 0.5 s."""
     length = 0
+    while length < at_least:
+        length = got.get(timeout=10).verdict.committed_length
     while True:
         try:
             length = got.get(timeout=0.5).verdict.committed_length
