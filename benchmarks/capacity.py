@@ -36,7 +36,10 @@ from cloud_server.device import Device, EngineChoice, Precision, Weights
 from shared.messages import Pace
 
 METHODS = ("split", "server-spec", "plain-api")
-SERVERS = {"batched": (), "unbatched": ("--batch-tokens", "0")}
+# server kind -> its cloud-server flags and its line style in the plot; `batched-no-load-wait`:
+# `auto` waits for drafts under load no longer than when idle (PacingPolicy.load_wait)
+SERVERS = {"batched": ((), "-"), "unbatched": (("--batch-tokens", "0"), ":"),
+           "batched-no-load-wait": (("--no-load-wait",), "--")}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated paces split decoding runs at, one method each "
                         "(lockstep, server, auto)")
     p.add_argument("--servers", default=",".join(SERVERS),
-                   help="comma-separated server kinds: batched, unbatched")
+                   help="comma-separated server kinds: " + ", ".join(SERVERS))
     p.add_argument("--drafters", default="moa,aded",
                    help="the edge drafters split decoding runs with, one method each")
     p.add_argument("--max-new-tokens", type=int, default=96)
@@ -124,7 +127,7 @@ def server(kind: str, metrics_port: int, sessions: int, args: argparse.Namespace
     with cloud_server("--quiet", "--device", args.device, "--dtype", args.dtype,
                       "--weights", args.weights, "--engine", args.engine,
                       "--metrics-port", str(metrics_port),
-                      "--max-sessions", str(max(sessions, 4)), *SERVERS[kind],
+                      "--max-sessions", str(max(sessions, 4)), *SERVERS[kind][0],
                       cores=parse_cores(args.server_cores)) as address:
         yield address
 
@@ -225,7 +228,7 @@ def plot(cells: list[Cell], path) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     for method in dict.fromkeys(c.method for c in cells):
-        for kind, style in (("batched", "-"), ("unbatched", ":")):
+        for kind, (_, style) in SERVERS.items():
             mine = [c for c in cells if c.method == method and c.server == kind]
             if not mine:
                 continue
