@@ -182,8 +182,8 @@ def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
     for kind in args.servers.split(","):
         port = free_port()
         with server(kind, port, max(counts), args) as address:
-            # unrecorded: the 4-bit engine builds its graph for a batch size when first
-            # wanted (seconds of the server's core each), which would fall in the first cell
+            # unrecorded: the 4-bit engine builds its graph for a batch size at the first
+            # forward of that many sessions (seconds each), which would fall in the first cell
             run_cell(address, port, kind, "plain-api", [pool[i:i + 1] for i in range(max(counts))],
                      args)
             for n in counts:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ from cloud_server.reference import compare, plain_greedy
 from cloud_server.engine.kv_cache import keep_path
 from cloud_server.target import TargetModel
 from shared.tree import DraftTree
-from testkit.waiting import wait_until
 
 PROMPT = [5, 17, 42, 99, 7, 61]
 TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17),
@@ -170,37 +168,3 @@ def test_auto_keeps_a_users_checkpoint_in_its_precision(tiny_model_dir):
     target = TargetModel.load(str(tiny_model_dir), "tiny-llama", "cpu", weights="auto")
     assert isinstance(target.engine, ModulesEngine)
     assert target.model.dtype == torch.float32
-
-
-def test_a_batch_runs_at_once_while_its_graph_builds_in_the_background(tiny_model_dir,
-                                                                       monkeypatch):
-    """A batch whose graph is not built yet runs as one-session forwards, giving each session
-    what it gets alone, while the graph builds (held here until the batch has run); the next
-    batch runs on it."""
-    from cloud_server.engine import onnx_engine, onnx_llama
-
-    target = TargetModel.load(str(tiny_model_dir), "tiny-llama", "cpu", weights="q4")
-    engine = target.engine
-    assert isinstance(engine, onnx_engine.OnnxEngine)
-    release = threading.Event()
-    build = onnx_llama.build
-
-    def held(shape, weights, sessions, consts):
-        assert release.wait(30), "the batch waited for its graph"
-        return build(shape, weights, sessions, consts)
-    monkeypatch.setattr(onnx_llama, "build", held)
-    prompts = [PROMPT, [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
-    alone = [target.forward_tree(target.prefill(p)[0], 30, TREE) for p in prompts]
-
-    def batch() -> list[torch.Tensor]:
-        jobs = [target.tree_job(target.prefill(p)[0], 30, TREE) for p in prompts]
-        target.run(jobs)
-        return [job.logits for job in jobs]
-
-    for got, expected in zip(batch(), alone):  # the 4-session graph is held back meanwhile
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
-    assert 4 not in engine._graphs
-    release.set()
-    wait_until(lambda: 4 in engine._graphs, 60, "the 4-session graph built")
-    for got, expected in zip(batch(), alone):
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -16,7 +16,6 @@ agree up to near-ties, as fp32 does (docs/usage.md, `--weights`).
 from __future__ import annotations
 
 import sys
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -31,9 +30,7 @@ from cloud_server.engine.kv_cache import ReservedLayer, keep_path, whole_cache
 
 # Sessions a graph takes: a batch runs on the smallest that holds it, padded with one-token
 # sessions whose results are dropped; a larger one runs as several forwards. A graph is built
-# in the background when first wanted (SmolLM2 on one core: 4, 12 and 32 s for 2, 4 and 8
-# sessions, results log `capacity_load_wait4`); until it is, the batch runs as several forwards
-# on the largest graph built, so no forward waits for a build.
+# when first needed (seconds, more for more sessions), so few sizes mean few such stalls.
 BUCKETS = (1, 2, 4, 8)
 MOST_SESSIONS = BUCKETS[-1]
 NEG = np.float32(np.finfo(np.float32).min)
@@ -82,8 +79,8 @@ def llama_weights(model: Any, gguf: Path | None) -> onnx_llama.LlamaWeights:
 
 
 class OnnxEngine:
-    """Forwards of up to MOST_SESSIONS sessions a graph; one graph per bucket of sessions,
-    built when first wanted, in the background but for the one-session graph."""
+    """Forwards of up to MOST_SESSIONS sessions a graph; one graph per session count, built
+    when first needed."""
 
     batchable = True
     exact_reference = False
@@ -100,40 +97,20 @@ class OnnxEngine:
         self._threads = threads
         self._consts: dict[str, Any] = {}
         self._graphs: dict[int, ort.InferenceSession] = {}
-        self._building = threading.Lock()  # one build at a time: they share `_consts`
-        self._wanted: set[int] = set()  # buckets asked of the background builder
 
     def _graph(self, sessions: int) -> ort.InferenceSession:
-        """The graph for `sessions`, built now if it is not yet."""
-        with self._building:
-            if sessions not in self._graphs:
-                self._graphs[sessions] = self._build(sessions)
+        if sessions not in self._graphs:
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = self._threads
+            options.inter_op_num_threads = 1
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            if self._graphs:
+                print(f"building the 4-bit graph for {sessions} sessions a forward (once)",
+                      file=sys.stderr, flush=True)
+            model = onnx_llama.build(self.shape, self._weights, sessions, self._consts)
+            self._graphs[sessions] = ort.InferenceSession(
+                model.SerializeToString(), options, providers=["CPUExecutionProvider"])
         return self._graphs[sessions]
-
-    def _build(self, sessions: int) -> ort.InferenceSession:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = self._threads
-        options.inter_op_num_threads = 1
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        if self._graphs:
-            print(f"building the 4-bit graph for {sessions} sessions a forward (once, in the "
-                  "background)", file=sys.stderr, flush=True)
-        model = onnx_llama.build(self.shape, self._weights, sessions, self._consts)
-        return ort.InferenceSession(model.SerializeToString(), options,
-                                    providers=["CPUExecutionProvider"])
-
-    def _bucket(self, count: int) -> int:
-        """The graph a batch of `count` sessions (or its first MOST_SESSIONS) runs on: the
-        smallest bucket that holds it once built; until then, while it builds in the
-        background, the largest built below it."""
-        wanted = next(size for size in BUCKETS if size >= min(count, MOST_SESSIONS))
-        if wanted in self._graphs:
-            return wanted
-        if wanted not in self._wanted:
-            self._wanted.add(wanted)
-            threading.Thread(target=self._graph, args=(wanted,), daemon=True,
-                             name=f"q4-graph-{wanted}").start()
-        return max((size for size in self._graphs if size < wanted), default=1)
 
     def describe(self) -> str:
         return "4-bit onnxruntime engine (q4)"
@@ -151,7 +128,7 @@ class OnnxEngine:
         keep_path(cache, base, accepted_nodes)
 
     def prepare(self, captures: Sequence[tuple[int, ...]]) -> None:
-        """Nothing to capture: graphs for more sessions are built when first wanted."""
+        """Nothing to capture: graphs for more sessions are built when first needed."""
 
     def warm_up(self) -> None:
         """Builds the one-session graph now rather than in the first request's forward."""
@@ -161,15 +138,12 @@ class OnnxEngine:
     def run(self, jobs: Sequence[Any], capture: tuple[int, ...]) -> None:
         """Fills each job's logits (and hidden states for `capture`); appends the new keys
         and values to its cache."""
-        start = 0
-        while start < len(jobs):
-            sessions = self._bucket(len(jobs) - start)
-            self._run(jobs[start: start + sessions], capture, sessions)
-            start += sessions
+        for start in range(0, len(jobs), MOST_SESSIONS):
+            self._run(jobs[start: start + MOST_SESSIONS], capture)
 
-    def _run(self, jobs: Sequence[Any], capture: tuple[int, ...], sessions: int) -> None:
-        """One forward of `jobs` on the graph for `sessions` (at least as many)."""
+    def _run(self, jobs: Sequence[Any], capture: tuple[int, ...]) -> None:
         s = self.shape
+        sessions = next(size for size in BUCKETS if size >= len(jobs))
         padded = [*jobs, *[PAD] * (sessions - len(jobs))]
         lengths = [len(job.ids) for job in padded]
         # A one-row product takes another kernel, which rounds differently; a lone token runs
@@ -188,9 +162,7 @@ class OnnxEngine:
             feed.update(self._session_inputs(job, b, twin))
         names = (["logits"] + [f"new_{kv}_{i}" for i in range(s.layers) for kv in "kv"]
                  + [f"hidden_{i}" for i in capture])
-        # built (`_bucket`): `_graph` would wait for the lock a background build holds
-        graph = self._graphs.get(sessions) or self._graph(sessions)
-        out = dict(zip(names, graph.run(names, feed)))
+        out = dict(zip(names, self._graph(sessions).run(names, feed)))
         real = offsets[len(jobs)]  # the rows of the jobs, before the padding
         logits = torch.from_numpy(out["logits"]).split([len(job.rows) for job in jobs])
         hidden = (torch.from_numpy(np.stack([out[f"hidden_{i}"][:real] for i in capture],
