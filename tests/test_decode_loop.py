@@ -22,7 +22,7 @@ from shared.messages import DraftRequest, Next, Pace, Verdict
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 from shared.tree import DraftTree
-from testkit.raw_stream import BASE, CLOSE, draft_msg, open_msg, run_stream
+from testkit.raw_stream import BASE, CLOSE, PROMPT, draft_msg, open_msg, run_stream
 from testkit.waiting import until
 
 TREE = DraftTree.chain([7])
@@ -179,8 +179,9 @@ def test_server_runs_at_most_lead_tokens_past_the_acknowledgement(tiny_server):
         reader.start()
         opened = got.get(timeout=10).opened
         assert (opened.pace, opened.lead) == (pb.PACE_SERVER, lead)
-        committed = _last_length(got, BASE + lead)
-        assert committed <= BASE + lead + 8
+        acknowledged = len(PROMPT)  # the Open's: the prefill's token counts against the lead
+        committed = _last_length(got, acknowledged + lead)
+        assert committed <= acknowledged + lead + 8
         sent.put(draft_msg(1, committed, (), ()))  # acknowledges all of it
         assert got.get(timeout=10).verdict.committed_length > committed
         call.cancel()
