@@ -181,8 +181,11 @@ def test_moa_keeps_drafting_through_an_outage(moa_server, tiny_target, tiny_bund
         monkeypatch.setattr(AutoPace, "decide", lambda self, busy: Next.REST)
         lend(monkeypatch, lambda: trained_drafter(tiny_bundle, DrafterName.MOA, lookup_nodes=0))
         propose = AdedDrafter.propose
-        monkeypatch.setattr(AdedDrafter, "propose", lambda self, context, nodes: (
-            asked.append(len(context)), propose(self, context, nodes))[1])
+
+        def recorded(self, context, max_nodes):
+            asked.append(len(context))
+            return propose(self, context, max_nodes)
+        monkeypatch.setattr(AdedDrafter, "propose", recorded)
     conditions = NetworkConditions.symmetric(LinkProfile(delay_ms=15),
                                              outage_mode=OutageMode.CUT)
     request = OpenRequest(prompt_ids=PROMPTS[0], max_new_tokens=MAX_NEW,
