@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Awaitable, Callable, Protocol, Sequence
 
 from cloud_server.decoding.pacing import PaceRule
@@ -65,7 +66,8 @@ class DecodeLoop:
         self._forward, self._send, self._told = forward, send, told
         self._draft_nodes = draft_nodes
         self._lead, self._owned, self._busy = lead, owned, busy
-        self.opened = asyncio.Event()  # the first Verdict went out: the session has its prefill
+        # the first Verdict is made: the session has its prefill, and the client may answer it
+        self.opened = asyncio.Event()
 
     def _committed(self) -> int:
         return len(self.session.committed)
@@ -75,7 +77,7 @@ class DecodeLoop:
         forwards until the generation finishes, the client goes away, the lead stops it with
         nobody left to acknowledge, or another stream takes the session over."""
         if first is not None:
-            await self._round(first, measured=False)
+            await self._round(partial(self._open, first), measured=False)
         self.opened.set()
         while not self._stopped():
             if not await self.inbox.wait(self._room, None):
@@ -85,6 +87,13 @@ class DecodeLoop:
                 break
             if not await self._round(self._forwarding):
                 break
+
+    async def _open(self, first: Callable[[], Awaitable[Verdict]]) -> Verdict:
+        """Makes the first Verdict, the session opened from then on: a stream that breaks
+        while that Verdict is handed to gRPC leaves a session that can go on alone."""
+        verdict = await first()
+        self.opened.set()
+        return verdict
 
     async def _forwarding(self) -> Forwarded | None:
         return await self._forward(self.inbox.draft, time.perf_counter())

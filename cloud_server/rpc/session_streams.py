@@ -164,7 +164,7 @@ class SessionStreams:
 
     async def _fill(self, session: Session, stream: ClientStream, owner: object, inbox: Inbox,
                     outbox: Outbox, opened: asyncio.Event) -> _Ended:
-        """Once the first Verdict is out (`opened`), reads the client's drafts into the inbox,
+        """Once the first Verdict is made (`opened`), reads the client's drafts into the inbox,
         and the rows it says it holds into the outbox, until it closes, the stream ends or
         another stream takes the session over; drafts that arrive after the end are
         dropped."""
