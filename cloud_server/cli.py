@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the most new tokens one forward pass runs for the sessions ready "
                         "together (batched verification); 0: one session per forward "
                         "(default %(default)s)")
+    p.add_argument("--batch-graphs", choices=("first-use", "start"), default="first-use",
+                   help="--weights q4: build the graph for each batch size (up to "
+                        "--max-sessions a forward) at startup, or when a batch first needs "
+                        "it (default), which stalls every session for its build: seconds "
+                        "for 2 sessions, tens for 8 (docs/usage.md, --batch-graphs)")
     p.add_argument("--idle-timeout", type=int, default=defaults.session_idle_timeout_s,
                    help="seconds a session may stay silent before it is closed")
     p.add_argument("--drafter-dir", default="default", metavar="DIR",
@@ -170,7 +175,8 @@ def run(argv: list[str]) -> int:
                                    EngineChoice(args.engine), Graphs(args.cuda_graphs),
                                    limits_from(args))
         config = ServerConfig(limits_from(args), drafter_dir, pacing_from(args),
-                              args.kv_budget_mb * 2**20, args.batch_tokens)
+                              args.kv_budget_mb * 2**20, args.batch_tokens,
+                              args.batch_graphs == "start")
         service = build_service(target, config, model_thread)
         print(f"loaded {model_id} on {target.device}: {target.engine.describe()}",
               file=sys.stderr, flush=True)

@@ -39,10 +39,13 @@ class PacingPolicy:
 class ServerConfig:
     """`drafter_dir`: the trained drafter to serve (None: none). `kv_budget_bytes`: the KV cache
     all sessions may hold together (0: the session count alone limits, SessionTable).
-    `batch_tokens`: the most new tokens one batched forward runs (0: one session a forward)."""
+    `batch_tokens`: the most new tokens one batched forward runs (0: one session a forward).
+    `graphs_at_start`: the engine gets ready for batches of every size it may run before the
+    server serves (Engine.prepare), instead of when a batch first needs it."""
 
     limits: Limits = field(default_factory=Limits)
     drafter_dir: Path | None = None
     pacing: PacingPolicy = field(default_factory=PacingPolicy)
     kv_budget_bytes: int = 0
     batch_tokens: int = DEFAULT_MAX_TOKENS
+    graphs_at_start: bool = False

@@ -168,3 +168,52 @@ def test_auto_keeps_a_users_checkpoint_in_its_precision(tiny_model_dir):
     target = TargetModel.load(str(tiny_model_dir), "tiny-llama", "cpu", weights="auto")
     assert isinstance(target.engine, ModulesEngine)
     assert target.model.dtype == torch.float32
+
+
+@pytest.mark.parametrize("at_start", [True, False], ids=["start", "first-use"])
+def test_graphs_built_at_start_leave_no_batch_waiting_for_a_build(tiny_model_dir, monkeypatch,
+                                                                  at_start):
+    """`--batch-graphs start`: before the server serves, the engine holds a graph for every
+    batch it may run (3 sessions run on the 4-session graph), so no build stalls a batch;
+    `first-use` builds it in the batch's forward."""
+    from cloud_server.config import ServerConfig
+    from cloud_server.engine import onnx_engine
+    from cloud_server.model_thread import ModelThread
+    from cloud_server.rpc.server import build_service
+    from shared.messages import Limits
+
+    target = TargetModel.load(str(tiny_model_dir), "tiny-llama", "cpu", weights="q4")
+    model_thread = ModelThread()
+    try:
+        build_service(target, ServerConfig(Limits(max_sessions=3), graphs_at_start=at_start),
+                      model_thread)
+    finally:
+        model_thread.shutdown()
+    caches = [target.prefill(prompt)[0] for prompt in (PROMPT, [9, 8, 7], [1, 2, 3])]
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("a batch waited for a graph build")
+    monkeypatch.setattr(onnx_engine.ort, "InferenceSession", no_build)
+    jobs = [target.tree_job(cache, 30, TREE) for cache in caches]
+    if at_start:
+        target.run(jobs)
+        assert all(len(job.logits) == 1 + len(TREE) for job in jobs)
+    else:
+        with pytest.raises(AssertionError, match="waited for a graph build"):
+            target.run(jobs)
+
+
+def test_the_cli_builds_the_batch_graphs_before_it_listens(tiny_model_dir, tmp_path):
+    log = tmp_path / "stderr"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--model",
+                                 str(tiny_model_dir), "--weights", "q4", "--batch-graphs",
+                                 "start", "--max-sessions", "2", "--drafter-dir", "none",
+                                 "--port", "0"], stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("listening on ")
+            assert "building the 4-bit graph for 2 sessions" in log.read_text()
+        finally:
+            proc.terminate()
+            assert proc.wait(timeout=30) == 0

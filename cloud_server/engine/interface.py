@@ -72,9 +72,10 @@ class Engine(Protocol):
         """An empty KV cache for a session that holds at most `most_positions`."""
         ...
 
-    def prepare(self, captures: Sequence[tuple[int, ...]]) -> None:
+    def prepare(self, captures: Sequence[tuple[int, ...]], sessions: int = 1) -> None:
         """Gets ready, before the first request, for forwards that capture these sets of
-        layers (the static engine captures its CUDA graphs)."""
+        layers (the static engine captures its CUDA graphs) and hold up to `sessions`
+        sessions (the 4-bit engine builds its graphs for them)."""
         ...
 
     def run(self, jobs: Sequence[ForwardJob], capture: tuple[int, ...]) -> None:

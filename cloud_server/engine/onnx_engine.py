@@ -86,7 +86,8 @@ class OnnxEngine:
     exact_reference = False
 
     def __init__(self, config: Any, weights: onnx_llama.LlamaWeights,
-                 embedding: torch.nn.Module, threads: int):
+                 embedding: torch.nn.Module, threads: int,
+                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
         self._config = config
         self.shape = shape_of(config)
         self._weights = weights
@@ -94,7 +95,7 @@ class OnnxEngine:
         table = embedding.weight
         assert isinstance(table, torch.Tensor)
         self._table = table.detach().float().numpy()
-        self._threads = threads
+        self._threads, self._level = threads, level
         self._consts: dict[str, Any] = {}
         self._graphs: dict[int, ort.InferenceSession] = {}
 
@@ -103,7 +104,7 @@ class OnnxEngine:
             options = ort.SessionOptions()
             options.intra_op_num_threads = self._threads
             options.inter_op_num_threads = 1
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            options.graph_optimization_level = self._level
             if self._graphs:
                 print(f"building the 4-bit graph for {sessions} sessions a forward (once)",
                       file=sys.stderr, flush=True)
@@ -127,8 +128,14 @@ class OnnxEngine:
     def keep_path(self, cache: DynamicCache, base: int, accepted_nodes: tuple[int, ...]) -> None:
         keep_path(cache, base, accepted_nodes)
 
-    def prepare(self, captures: Sequence[tuple[int, ...]]) -> None:
-        """Nothing to capture: graphs for more sessions are built when first needed."""
+    def prepare(self, captures: Sequence[tuple[int, ...]], sessions: int = 1) -> None:
+        """Builds the graphs for up to `sessions` sessions a forward now, rather than when a
+        batch first needs one while every session waits (results log, `graph_build`); each
+        graph outputs every layer, so `captures` needs nothing."""
+        for size in BUCKETS:
+            self._graph(size)
+            if size >= sessions:
+                break
 
     def warm_up(self) -> None:
         """Builds the one-session graph now rather than in the first request's forward."""

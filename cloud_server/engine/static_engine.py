@@ -88,9 +88,9 @@ class StaticEngine:
     def keep_path(self, cache: SlotCache, base: int, accepted_nodes: tuple[int, ...]) -> None:
         self.pool.keep_path(cache, base, accepted_nodes)
 
-    def prepare(self, captures: Sequence[tuple[int, ...]]) -> None:
+    def prepare(self, captures: Sequence[tuple[int, ...]], sessions: int = 1) -> None:
         """Captures every bucket for each set of layers to capture, now rather than in the
-        first forwards that need them."""
+        first forwards that need them (the slot plan, not `sessions`, sizes the buckets)."""
         if self._graph_kind is None:
             return
         shapes = self.buckets.all

@@ -47,7 +47,7 @@ class ModulesEngine:
     def keep_path(self, cache: DynamicCache, base: int, accepted_nodes: tuple[int, ...]) -> None:
         keep_path(cache, base, accepted_nodes)
 
-    def prepare(self, captures: Sequence[tuple[int, ...]]) -> None:
+    def prepare(self, captures: Sequence[tuple[int, ...]], sessions: int = 1) -> None:
         """Nothing to capture: every forward runs as it comes."""
 
     @torch.inference_mode()

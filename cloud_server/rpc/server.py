@@ -49,7 +49,9 @@ def build_service(target: TargetModel, config: ServerConfig,
               f"{drafter.width}", file=sys.stderr, flush=True)
         if drafter.activations is not None and drafter.activations.hidden_layers:
             captures.append(drafter.activations.hidden_layers)
-    model_thread.call(target.engine.prepare, captures)
+    batches = config.batch_tokens and config.graphs_at_start
+    model_thread.call(target.engine.prepare, captures,
+                      config.limits.max_sessions if batches else 1)
     costs = model_thread.call(measure_verify_costs, target, config.limits.max_tree_nodes)
     print("verify cost: " + ", ".join(f"{n} nodes {ms:.0f} ms" for n, ms in costs),
           file=sys.stderr, flush=True)
