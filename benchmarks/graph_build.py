@@ -100,10 +100,12 @@ def _plot(rows: list) -> None:
         ns = [n for n, _ in mine]
         build.plot(ns, [c["build_s"] for _, c in mine], marker="o", label=level)
         step.plot(ns, [c["forward_ms"] for _, c in mine], marker="o", label=level)
-    build.set(xlabel="sessions a forward", ylabel="graph build (s)", xscale="log", xticks=ns,
-              xticklabels=ns, title="building the graph")
-    step.set(xlabel="sessions a forward", ylabel="forward (ms)", xscale="log", xticks=ns,
-             xticklabels=ns, title="a forward once built")
+    for ax, ylabel, title in ((build, "graph build (s)", "building the graph"),
+                              (step, "forward (ms)", "a forward once built")):
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ax.set(xlabel="sessions a forward", ylabel=ylabel, xticks=ns, xticklabels=ns,
+               title=title)
     build.legend(title="ORT optimization")
     fig.tight_layout()
     out = RESULTS / "graph_build.png"
