@@ -135,7 +135,9 @@ def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_
         oracles.append(TwinBranchOracle(target_copy, limits.max_tree_depth))
         return oracles[-1]
 
-    options = ClientOptions("moa", 48, MAX_NEW, pace=pace, draft_graphs=True)
+    # paced, a short lead holds the server to the client's acknowledgements, which carry its
+    # drafts: with the default lead a loaded machine let the server finish before any came
+    options = ClientOptions("moa", 48, MAX_NEW, pace=pace, lead=2, draft_graphs=True)
     with ServerThread(tiny_target, config) as server:
         by_moa = run(server.address, options)
         lend(monkeypatch, oracle)

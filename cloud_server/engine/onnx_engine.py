@@ -30,7 +30,8 @@ from cloud_server.engine.kv_cache import ReservedLayer, keep_path, whole_cache
 
 # Sessions a graph takes: a batch runs on the smallest that holds it, padded with one-token
 # sessions whose results are dropped; a larger one runs as several forwards. A graph is built
-# when first needed (seconds, more for more sessions), so few sizes mean few such stalls.
+# when first needed (seconds, more for more sessions; results log, `graph_build`), so few sizes
+# mean few such stalls, or at startup (`--batch-graphs start`, OnnxEngine.prepare).
 BUCKETS = (1, 2, 4, 8)
 MOST_SESSIONS = BUCKETS[-1]
 NEG = np.float32(np.finfo(np.float32).min)
