@@ -4,6 +4,7 @@ equals the engine's own plain greedy output on the real model."""
 from __future__ import annotations
 
 import asyncio
+import select
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from cloud_server.reference import compare, plain_greedy
 from cloud_server.engine.kv_cache import keep_path
 from cloud_server.target import TargetModel
 from shared.tree import DraftTree
+from testkit.cli_harness import STARTUP_TIMEOUT_S
 
 PROMPT = [5, 17, 42, 99, 7, 61]
 TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17),
@@ -212,7 +214,8 @@ def test_the_cli_builds_the_batch_graphs_before_it_listens(tiny_model_dir, tmp_p
                                  "--port", "0"], stdout=subprocess.PIPE, stderr=stderr, text=True)
         try:
             assert proc.stdout is not None
-            assert proc.stdout.readline().startswith("listening on ")
+            ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
+            assert ready and proc.stdout.readline().startswith("listening on ")
             assert "building the 4-bit graph for 2 sessions" in log.read_text()
         finally:
             proc.terminate()
