@@ -5,10 +5,13 @@ import asyncio
 import signal
 
 
-async def until_stopped() -> None:
-    """Returns at the first SIGTERM or SIGINT (the container's stop, Ctrl-C)."""
+def stop_requested() -> asyncio.Event:
+    """An event set at the first SIGTERM or SIGINT (the container's stop, Ctrl-C).
+
+    Call it before the command prints its readiness line: whoever reads that line may stop
+    the command at once, and a signal before the handlers are in kills it without a drain."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
+    return stopping

@@ -16,7 +16,7 @@ from cloud_server.rpc.security import Security
 from cloud_server.rpc.service import SplitDecodingService
 from cloud_server.target import TargetModel
 from shared import gc_freeze, keepalive
-from shared.signals import until_stopped
+from shared.signals import stop_requested
 from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind, Limits
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc
 
@@ -89,8 +89,9 @@ async def serve(service: SplitDecodingService, host: str, port: int,
                 security: Security = Security()) -> None:
     """Serves until SIGTERM or SIGINT, then stops taking work and drains for GRACE_S."""
     server, bound, health_servicer = await start(service, host, port, security)
+    stopping = stop_requested()
     print(f"listening on {host}:{bound}", flush=True)
-    await until_stopped()
+    await stopping.wait()
     print("stopping: draining sessions", file=sys.stderr, flush=True)
     await health_servicer.enter_graceful_shutdown()
     await server.stop(GRACE_S)

@@ -15,7 +15,7 @@ from edge_client.openai_compat.admission import (
     QUEUE_PER_SLOT, Admission, default_concurrency,
 )
 from edge_client.openai_compat.app import Endpoint
-from shared.signals import until_stopped
+from shared.signals import stop_requested
 
 
 @dataclass(frozen=True)
@@ -63,5 +63,6 @@ async def serve(address: str, options: ClientOptions, host: str, port: int,
     `serving http://HOST:PORT/v1 (MODEL)`."""
     async with running_endpoint(address, options, host, port, config, capacity) as (client,
                                                                                     bound):
+        stopping = stop_requested()
         print(f"serving http://{host}:{bound}/v1 ({client.info.model_id})", flush=True)
-        await until_stopped()
+        await stopping.wait()

@@ -1,0 +1,61 @@
+"""A long-running command stopped the moment it says it is ready drains and exits: cloud-server
+and `edge-client serve` catch SIGTERM before they print their readiness line (the CI run of
+3b0a2c0 killed a server that had printed `listening on` but not yet caught the signal)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Coroutine, Iterator
+from types import ModuleType
+
+import pytest
+
+from cloud_server.config import ServerConfig
+from cloud_server.rpc import server as cloud_server
+from cloud_server.rpc.server import build_service
+from edge_client.client import ClientOptions
+from edge_client.openai_compat import serving as edge_serving
+from testkit.cli_harness import STARTUP_TIMEOUT_S
+
+Serve = Callable[[], Coroutine[None, None, None]]
+
+
+def missed(signum: int, _frame) -> None:
+    raise AssertionError("the command printed its readiness line before it caught SIGTERM")
+
+
+@pytest.fixture
+def missed_stops() -> Iterator[None]:
+    """A SIGTERM that reaches the process's own handler instead of the command's fails the
+    test (without this handler it would kill pytest)."""
+    previous = signal.signal(signal.SIGTERM, missed)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+def stop_when_ready(module: ModuleType, ready: str, monkeypatch) -> None:
+    """Sends SIGTERM to this process as the command prints its readiness line."""
+    def printing(*args, **kwargs) -> None:
+        print(*args, **kwargs)
+        if str(args[0]).startswith(ready):
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(module, "print", printing, raising=False)
+
+
+def run_until_stopped(serve: Serve) -> None:
+    asyncio.run(asyncio.wait_for(serve(), STARTUP_TIMEOUT_S))
+
+
+@pytest.mark.usefixtures("missed_stops")
+def test_cloud_server_stopped_as_it_listens_drains(tiny_target, monkeypatch):
+    stop_when_ready(cloud_server, "listening on ", monkeypatch)
+    service = build_service(tiny_target, ServerConfig())
+    run_until_stopped(lambda: cloud_server.serve(service, "127.0.0.1", 0))
+
+
+@pytest.mark.usefixtures("missed_stops")
+def test_edge_serve_stopped_as_it_serves_drains(tiny_server, monkeypatch):
+    stop_when_ready(edge_serving, "serving http://", monkeypatch)
+    options = ClientOptions("pld", 1, 8)
+    run_until_stopped(lambda: edge_serving.serve(tiny_server.address, options, "127.0.0.1", 0))
