@@ -1,5 +1,5 @@
-"""A long-running command stopped the moment it says it is ready drains and exits: cloud-server
-and `edge-client serve` catch SIGTERM before they print their readiness line (the CI run of
+"""A long-running command stopped the moment it says it is ready drains and exits: cloud-server,
+`edge-client serve` and netsim catch SIGTERM before they print their readiness line (the CI run of
 3b0a2c0 killed a server that had printed `listening on` but not yet caught the signal)."""
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ from cloud_server.rpc import server as cloud_server
 from cloud_server.rpc.server import build_service
 from edge_client.client import ClientOptions
 from edge_client.openai_compat import serving as edge_serving
+from netsim import cli as netsim_cli
+from netsim.conditions import NetworkConditions
 from testkit.cli_harness import STARTUP_TIMEOUT_S
 
 Serve = Callable[[], Coroutine[None, None, None]]
@@ -59,3 +61,10 @@ def test_edge_serve_stopped_as_it_serves_drains(tiny_server, monkeypatch):
     stop_when_ready(edge_serving, "serving http://", monkeypatch)
     options = ClientOptions("pld", 1, 8)
     run_until_stopped(lambda: edge_serving.serve(tiny_server.address, options, "127.0.0.1", 0))
+
+
+@pytest.mark.usefixtures("missed_stops")
+def test_netsim_stopped_as_it_listens_stops(monkeypatch):
+    stop_when_ready(netsim_cli, "listening on ", monkeypatch)
+    run_until_stopped(lambda: netsim_cli.serve("127.0.0.1:0", "127.0.0.1:9",
+                                               NetworkConditions()))
