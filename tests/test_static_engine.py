@@ -54,6 +54,15 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(target):
     assert_tree_forward_is_per_path(target, PROMPT, 30, TREE)
 
 
+def test_every_bucket_captures_as_the_server_prepares_it(tiny_target, capsys):
+    """build_service calls prepare outside inference mode, so capture ran the forward with
+    autograd on: the first bucket failed (the KV slots written in place) and decoding steps
+    ran eagerly (found rehearsing on the CPU)."""
+    engine = static_target(tiny_target, graphs=True).engine
+    engine.prepare([(), (0, 1)])
+    assert "failed" not in capsys.readouterr().err
+
+
 def test_a_prompt_longer_than_every_bucket_runs_eagerly_and_exactly(target):
     prompt = [(7 * i) % 300 + 3 for i in range(290)]  # a 256-token chunk, then 34
     _, last = target.prefill(prompt)

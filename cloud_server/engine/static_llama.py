@@ -47,7 +47,8 @@ class Linear:
 
     @classmethod
     def of(cls, module: Any) -> "Linear":
-        return cls(module.weight, getattr(module, "bias", None))
+        bias = getattr(module, "bias", None)
+        return cls(module.weight.detach(), None if bias is None else bias.detach())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -83,12 +84,14 @@ class StaticLlama:
 
     @classmethod
     def of(cls, model: Any) -> "StaticLlama":
+        """The model's weights, detached (the same storage): the forward records nothing for
+        autograd and writes the KV slots in place in any grad mode, as a graph capture runs it."""
         config, body = model.config, model.model
         attn0 = body.layers[0].self_attn
         rotary = body.rotary_emb
         return cls(
-            body.embed_tokens.weight, tuple(_layer(block) for block in body.layers),
-            body.norm.weight, model.get_output_embeddings().weight,
+            body.embed_tokens.weight.detach(), tuple(_layer(block) for block in body.layers),
+            body.norm.weight.detach(), model.get_output_embeddings().weight.detach(),
             rotary.inv_freq.float(), float(getattr(rotary, "attention_scaling", 1.0)),
             float(config.rms_norm_eps), config.num_attention_heads,
             getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
@@ -185,12 +188,12 @@ def pack(ids: torch.Tensor, pos: torch.Tensor, write_slot: torch.Tensor, write_a
 def _layer(block: Any) -> Layer:
     attn, mlp = block.self_attn, block.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-    return Layer(block.input_layernorm.weight,
+    return Layer(block.input_layernorm.weight.detach(),
                  _fused(attn.q_proj, attn.k_proj, attn.v_proj), Linear.of(attn.o_proj),
-                 None if q_norm is None else q_norm.weight,
-                 None if k_norm is None else k_norm.weight,
-                 block.post_attention_layernorm.weight, _fused(mlp.gate_proj, mlp.up_proj),
-                 Linear.of(mlp.down_proj))
+                 None if q_norm is None else q_norm.weight.detach(),
+                 None if k_norm is None else k_norm.weight.detach(),
+                 block.post_attention_layernorm.weight.detach(),
+                 _fused(mlp.gate_proj, mlp.up_proj), Linear.of(mlp.down_proj))
 
 
 @torch.no_grad()
