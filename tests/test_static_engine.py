@@ -25,6 +25,7 @@ from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from shared.messages import Limits, OpenRequest
 from shared.tree import DraftTree
+from testkit.device_under_test import DEVICE
 from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.tree_checks import assert_tree_forward_is_per_path, causal_logits
 from tests.server_harness import ServerThread
@@ -144,6 +145,16 @@ def test_split_greedy_through_the_server_is_plain_greedy(target, drafter):
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(20, 32)) * 2, [100]]
     with ServerThread(target, ServerConfig(LIMITS)) as server:
         assert_split_greedy_is_plain(target, server.address, drafter, 8, prompts, 40)
+
+
+def test_a_bf16_target_through_rehearsed_graphs_is_its_plain_greedy(tiny_model_dir):
+    """The GPU node's default (`--dtype auto`: bf16, graphs captured at startup), rehearsed
+    on the CPU."""
+    bf16 = TargetModel.load(str(tiny_model_dir), "tiny-llama", DEVICE, precision="bf16")
+    target = static_target(bf16, graphs=True)
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(20, 32)) * 2]
+    with ServerThread(target, ServerConfig(LIMITS)) as server:
+        assert_split_greedy_is_plain(target, server.address, "pld", 8, prompts, 40)
 
 
 def test_an_engine_that_cannot_run_the_model_names_the_one_that_will(tmp_path):

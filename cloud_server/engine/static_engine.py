@@ -6,8 +6,10 @@ A batch of jobs is cut into forwards of one token bucket each (a prompt chunk do
 decoding steps beside it to its length) and at most the largest session bucket. Each forward
 is S rows of T tokens; a row is a session's job, padded with tokens that write to the pool's
 scratch slot and see only key 0. With graphs, S, T and the context are padded up to a captured
-bucket (buckets.py); a forward beyond every bucket runs eagerly at its own shape, told once.
-Without graphs (the CPU) every forward runs eagerly at its own shape, unpadded.
+bucket (buckets.py); a forward beyond every bucket, which with the server's buckets is a prompt
+chunk longer than the largest tree, runs eagerly at its own shape (once a chunk, where a
+decoding step replays a graph every token). Without graphs (the CPU) every forward runs eagerly
+at its own shape, unpadded.
 
 The logits are computed outside the graph for the wanted rows alone (a prompt chunk wants one
 row of its 256), from the final hidden states the forward leaves.
@@ -70,7 +72,6 @@ class StaticEngine:
         self._graphs: dict[tuple[Shape, tuple[int, ...]], Replay | Rehearsal | None] = {}
         self._graph_pool = (torch.cuda.graph_pool_handle()
                             if graphs is Replay else None)
-        self._told_eager = False
 
     def describe(self) -> str:
         graphs = {Replay: "CUDA graphs", Rehearsal: "rehearsed graphs", None: "eager"}
@@ -93,9 +94,10 @@ class StaticEngine:
         first forwards that need them (the slot plan, not `sessions`, sizes the buckets)."""
         if self._graph_kind is None:
             return
-        shapes = self.buckets.all
-        print(f"static engine: capturing {len(shapes) * len(captures)} forward shapes ...",
-              file=sys.stderr, flush=True)
+        shapes, b = self.buckets.all, self.buckets
+        print(f"static engine: capturing {len(shapes) * len(captures)} forward shapes (up to "
+              f"{b.sessions[-1]} sessions x {b.tokens[-1]} tokens; longer prompt chunks run "
+              "eagerly) ...", file=sys.stderr, flush=True)
         for capture in captures:
             for shape in shapes:
                 self._graph(shape, capture)
@@ -122,11 +124,6 @@ class StaticEngine:
         inputs = self._inputs(jobs, size)
         graph = None if shape is None else self._graph(shape, capture)
         if graph is None:
-            if self._graph_kind is not None and not self._told_eager:
-                print(f"static engine: a forward of {rows} sessions x {tokens} tokens over "
-                      f"{context} positions is beyond the captured buckets; such forwards run "
-                      "eagerly", file=sys.stderr, flush=True)
-                self._told_eager = True
             final, hidden = self.net.forward(self.pool.kv, inputs.ints.to(self.device),
                                              inputs.tree.to(self.device), size.context, capture)
         else:
