@@ -118,9 +118,11 @@ def verdict(plain: GenerationResult, spec: GenerationResult, split: GenerationRe
                    f"{forwards_per_token(spec):.2f}")
     else:
         outcome = (f"No draft of the edge's got a token accepted, so split decoding ran as "
-                   f"server-side speculation does (its {ratio:.2f}x is one prompt's noise)")
-    return (f"{outcome}; of the edge's drafts {d.used} were used, {d.late} came late and "
-            f"{d.wrong} were wrong. On this machine the server is a CPU: a tree forward costs "
+                   f"server-side speculation does (its {ratio:.2f}x that speed is one "
+                   f"prompt's noise)")
+    drafts = (f"of the edge's drafts {d.used} were used, {d.late} came late and {d.wrong} "
+              f"were wrong" if split.drafted_tokens else "the edge sent no draft")
+    return (f"{outcome}; {drafts}. On this machine the server is a CPU: a tree forward costs "
             f"several decoding steps (results log, verify_cost_q4), so it verifies small trees, "
             f"and a draft costs a {rtt_ms:.0f} ms round trip, {rtt_ms / step_ms:.0f} of its "
             f"{step_ms:.0f} ms steps, in which its own candidates move on. So on a CPU split "
