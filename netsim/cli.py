@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import signal
 import sys
 from dataclasses import replace
 from typing import Callable, NoReturn, TypeVar
@@ -20,7 +21,6 @@ from typing import Callable, NoReturn, TypeVar
 from netsim.conditions import (CONDITIONS_HELP, NetworkConditions, Outage, parse_address,
                                parse_conditions, parse_outage, parse_outage_mode)
 from netsim.proxy import NetSimProxy
-from shared.signals import stop_requested
 
 EXIT_USAGE = 2
 T = TypeVar("T")
@@ -99,7 +99,10 @@ async def serve(listen: str, target: str, conditions: NetworkConditions) -> None
     """Proxies until SIGTERM or SIGINT."""
     proxy = NetSimProxy(target, conditions, listen)
     await proxy.start()
-    stopping = stop_requested()
+    stopping = asyncio.Event()  # caught before the address is printed: a stop may follow it
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
     print(f"listening on {proxy.address}", flush=True)
     print(f"netsim: {proxy.address} -> {target}: {conditions.describe()}", file=sys.stderr,
           flush=True)
