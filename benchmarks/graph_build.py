@@ -30,14 +30,15 @@ LEVELS = {"basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
 TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17), parents=(-1, -1, 0, 0, 1, 2, 5, 4))
 
 
-def _forward(target: TargetModel, engine: OnnxEngine, caches: list, pending: int) -> float:
-    """The seconds of one forward of every cache's tree through `engine`."""
-    jobs = [target.tree_job(cache, pending, TREE) for cache in caches]
+def forward_s(target: TargetModel, engine: OnnxEngine, caches: list, pending: int,
+              tree: DraftTree = TREE) -> float:
+    """The seconds of one forward of `tree` after `pending` in every cache through `engine`."""
+    jobs = [target.tree_job(cache, pending, tree) for cache in caches]
     start = time.perf_counter()
     engine.run(jobs, ())
     seconds = time.perf_counter() - start
     for cache in caches:
-        cache.crop(-(1 + len(TREE)))  # back to the prompt: every forward sees one context
+        cache.crop(-(1 + len(tree)))  # back to the prompt: every forward sees one context
     return seconds
 
 
@@ -54,8 +55,8 @@ def measure(target: TargetModel, level: str, sessions: int, context: int, reps: 
     written = time.perf_counter() - start
     prompts = [[(17 * s + i) % 4000 + 100 for i in range(context)] for s in range(sessions)]
     caches = [target.prefill(prompt)[0] for prompt in prompts]
-    first = _forward(target, engine, caches, 42)
-    times = [_forward(target, engine, caches, 42) for _ in range(reps)]
+    first = forward_s(target, engine, caches, 42)
+    times = [forward_s(target, engine, caches, 42) for _ in range(reps)]
     step = statistics.median(times)
     return {"build_s": first - step, "graph_s": written, "forward_ms": 1000 * step}
 

@@ -20,20 +20,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
 from contextlib import nullcontext
 from unittest import mock
 
 import torch
 
 from benchmarks.common import RESULTS, grouped_bars, machine, markdown_table, write_results
+from benchmarks.graph_build import TREE, forward_s
 from cloud_server import model_store
 from cloud_server.engine import onnx_llama
 from cloud_server.engine.onnx_engine import OnnxEngine, llama_weights
 from cloud_server.target import TargetModel
 from shared.tree import DraftTree
 
-TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17), parents=(-1, -1, 0, 0, 1, 2, 5, 4))
 FORWARDS = {"step": DraftTree.chain([]), "tree of 8": TREE}
 VARIANTS = ("as built", "no mins term", "no attention", "neither")
 
@@ -62,15 +61,9 @@ def variant_engine(target: TargetModel, variant: str) -> OnnxEngine:
 def forward_ms(target: TargetModel, engine: OnnxEngine, context: int, tree: DraftTree,
                reps: int) -> float:
     """Median ms of one forward of `tree` (after a pending token) over the prompt."""
-    cache = target.prefill([(13 * i) % 4000 + 100 for i in range(context)])[0]
-    times = []
-    for _ in range(reps + 3):
-        job = target.tree_job(cache, 42, tree)
-        start = time.perf_counter()
-        engine.run([job], ())
-        times.append(1000 * (time.perf_counter() - start))
-        cache.crop(-(1 + len(tree)))
-    return statistics.median(times[3:])
+    caches = [target.prefill([(13 * i) % 4000 + 100 for i in range(context)])[0]]
+    times = [forward_s(target, engine, caches, 42, tree) for _ in range(reps + 3)]
+    return 1000 * statistics.median(times[3:])
 
 
 def rounds_ms(target: TargetModel, context: int, reps: int, rounds: int
