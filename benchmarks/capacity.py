@@ -13,6 +13,12 @@ of the time the model ran forwards (the rest it waited for work). Greedy, so
 every prompt's answer must be the same in every configuration: the report counts the answers
 that differ (it must be 0).
 
+The edge drafter `oracle` (testkit/profile_oracle.py) drafts from the plain API's answer, right
+as often as the shipped MoA drafter is (its acceptance per depth in process, LOG moa_tau_gpu),
+at no cost to the client: how a GPU node's capacity is measured on a target whose drafter does
+not exist (a random-weight checkpoint of the default's shape, scripts/gpu_check.sh) or with
+more clients than the edge's cores could draft for.
+
     python -m benchmarks.capacity --clients 1,2,4,8,16 --drafters moa,aded
 """
 from __future__ import annotations
@@ -36,6 +42,7 @@ from cloud_server.device import Device, EngineChoice, Precision, Weights
 from shared.messages import Pace
 
 METHODS = ("split", "server-spec", "plain-api")
+ORACLE = "oracle"  # the drafter that drafts from the plain API's answers
 # server kind -> its cloud-server flags and its line style in the plot; `batched-no-load-wait`:
 # `auto` waits for drafts under load no longer than when idle (PacingPolicy.load_wait)
 SERVERS = {"batched": ((), "-"), "unbatched": (("--batch-tokens", "0"), ":"),
@@ -53,7 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(SERVERS),
                    help="comma-separated server kinds: " + ", ".join(SERVERS))
     p.add_argument("--drafters", default="moa,aded",
-                   help="the edge drafters split decoding runs with, one method each")
+                   help="the edge drafters split decoding runs with, one method each "
+                        f"({ORACLE}: right at the MoA drafter's measured acceptance, no cost)")
+    p.add_argument("--model", default="default", help="as cloud-server --model")
     p.add_argument("--max-new-tokens", type=int, default=96)
     p.add_argument("--per-client", type=int, default=2, help="generations each client runs, "
                    "one after another")
@@ -81,16 +90,25 @@ async def _client(spec: dict) -> None:
     import asyncio
 
     from edge_client.client import ClientOptions, EdgeClient
+    from edge_client.drafter_source import DrafterPool
     from edge_client.server_only import Mode
     from shared.messages import ChatMessage
+    from testkit.profile_oracle import ProfileOracle, load_profile
 
     mode, _, drafter = spec["method"].partition(":")
     mode, _, pace = mode.partition("@")
-    options = ClientOptions(drafter or "pld", None, spec["max_new_tokens"], mode=Mode(mode),
+    # the oracle's vocabulary is the server's, known once connected
+    oracle = ProfileOracle(load_profile(), vocab_size=0) if drafter == ORACLE else None
+    options = ClientOptions("pld" if oracle else drafter or "pld", None,
+                            spec["max_new_tokens"], mode=Mode(mode),
                             pace=Pace(pace or Pace.AUTO.value))
-    async with EdgeClient(spec["address"], options) as client:
+    lent = None if oracle is None else DrafterPool(lambda: oracle)
+    async with EdgeClient(spec["address"], options, drafters=lent) as client:
         await asyncio.sleep(max(0.0, spec["start_at"] - time.time()))
-        for prompt in spec["prompts"]:
+        for prompt, answer in zip(spec["prompts"], spec["answers"]):
+            if oracle is not None:
+                oracle.vocab_size = client.tokenizer.get_vocab_size()
+                oracle.answer = answer
             start = time.time()
             result = await client.generate(options.open_request(
                 chat=(ChatMessage("user", prompt),)))
@@ -125,7 +143,7 @@ class Cell:
 
 @contextlib.contextmanager
 def server(kind: str, metrics_port: int, sessions: int, args: argparse.Namespace) -> Iterator[str]:
-    with cloud_server("--quiet", "--device", args.device, "--dtype", args.dtype,
+    with cloud_server("--quiet", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
                       "--weights", args.weights, "--engine", args.engine,
                       "--metrics-port", str(metrics_port),
                       "--max-sessions", str(max(sessions, 4)), *SERVERS[kind][0],
@@ -134,13 +152,16 @@ def server(kind: str, metrics_port: int, sessions: int, args: argparse.Namespace
 
 
 def run_cell(address: str, metrics_port: int, kind: str, method: str, prompts: list[list[str]],
-             args: argparse.Namespace) -> tuple[Cell, list[dict]]:
+             args: argparse.Namespace, answers_of: dict[str, list[int]]
+             ) -> tuple[Cell, list[dict]]:
+    """`answers_of`: the plain API's answer to each prompt, for the oracle drafter."""
     before = server_metrics(metrics_port)
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start_at = time.time() + args.start_delay_s
     procs = [python_module(
         "benchmarks.capacity", ["--client", json.dumps({
             "address": address, "method": method, "prompts": mine,
+            "answers": [answers_of.get(prompt, []) for prompt in mine],
             "max_new_tokens": args.max_new_tokens, "start_at": start_at})],
         parse_cores(args.client_cores), stdout=subprocess.PIPE, text=True)
         for mine in prompts]
@@ -178,19 +199,27 @@ def run(args: argparse.Namespace) -> tuple[list[Cell], int]:
                if "split" in asked]
     methods += [m for m in asked if m != "split"]
     pool = [row["prompt"] for row in prompt_items(max(counts) * args.per_client)]
-    cells, answers_of, differ = [], {}, 0
+    cells: list[Cell] = []
+    answers_of: dict[str, list[int]] = {}
+    differ = 0
     for kind in args.servers.split(","):
         port = free_port()
         with server(kind, port, max(counts), args) as address:
-            # unrecorded: the 4-bit engine builds its graph for a batch size at the first
-            # forward of that many sessions (seconds each), which would fall in the first cell
-            run_cell(address, port, kind, "plain-api", [pool[i:i + 1] for i in range(max(counts))],
-                     args)
+            # unrecorded but for its answers (the oracle drafts from them, and every other
+            # cell's must equal them): the 4-bit engine builds its graph for a batch size at
+            # the first forward of that many sessions (seconds each), which would fall in the
+            # first cell
+            _, warm = run_cell(address, port, kind, "plain-api",
+                               [pool[i::max(counts)] for i in range(max(counts))], args,
+                               answers_of)
+            for a in warm:
+                differ += answers_of.setdefault(a["prompt"], a["ids"]) != a["ids"]
             for n in counts:
                 for method in methods:
                     prompts = [pool[i * args.per_client:(i + 1) * args.per_client]
                                for i in range(n)]
-                    cell, answers = run_cell(address, port, kind, method, prompts, args)
+                    cell, answers = run_cell(address, port, kind, method, prompts, args,
+                                             answers_of)
                     for a in answers:
                         differ += answers_of.setdefault(a["prompt"], a["ids"]) != a["ids"]
                     cells.append(cell)

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 
 from shared.drafting.budget import TreeBudget
 from edge_client.drafter_source import (
-    TRAINED, TreeShape, drafter_pool, resolve_drafter, sampling_acceptance,
+    TRAINED, DrafterPool, TreeShape, drafter_pool, resolve_drafter, sampling_acceptance,
 )
 from edge_client.generate import split_generate
 from edge_client.reporting import GenerationResult, Listener
@@ -84,12 +84,15 @@ class ClientOptions:
 
 class EdgeClient:
     def __init__(self, address: str, options: ClientOptions, config: LinkConfig = LinkConfig(),
-                 drafting: Executor | None = None):
+                 drafting: Executor | None = None, drafters: DrafterPool | None = None):
         """`drafting`: the threads split generations draft on, so that generations at once
         over this one link each draft on a thread of their own while the event loop streams
-        the others' tokens (`edge-client serve`); None: on the event loop."""
+        the others' tokens (`edge-client serve`); None: on the event loop. `drafters`: a
+        pool lent by the caller in place of the drafter the options name (benchmarks'
+        drafters that cost nothing, testkit/profile_oracle.py)."""
         self.options = options
         self.drafting = drafting
+        self._lent = drafters
         self.link = ServerLink(address, config)
         self._info: ServerInfo | None = None
         self._tokenizer: Tokenizer | None = None
@@ -120,7 +123,9 @@ class EdgeClient:
             raise LinkError(f"the server at {self.link.address} does not unroll draft graphs: "
                             "update it, or leave out --draft-graphs")
         self.link.draft_graphs = self.options.draft_graphs
-        if self.options.mode is Mode.SPLIT:  # else the server drafts, if anyone does
+        if self._lent is not None:
+            self._drafters = self._lent
+        elif self.options.mode is Mode.SPLIT:  # else the server drafts, if anyone does
             drafter = resolve_drafter(self.options.drafter, self.info)
             # first the pool: it says what the server lacks ('auto' with no trained drafter
             # and tree designed) before the options would refuse the resolved name
