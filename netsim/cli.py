@@ -4,9 +4,12 @@ client and a cloud server (the model is in the package docstring, netsim/__init_
     netsim --target 127.0.0.1:50051 --profile 4g
     netsim --listen 127.0.0.1:0 --target 127.0.0.1:50051 --profile delay=50,jitter=10,bw=20 \\
            --outage 5:3 --outage-mode blackhole
+    netsim --target 127.0.0.1:50051 --profile 4g --signal-outage 2   # kill -USR1 cuts the link
 
 Prints `listening on HOST:PORT` as its first line on stdout: point the edge client there. Delays
-are one-way (RTT = 2 x delay). Stops on SIGTERM or SIGINT and prints its byte counts on stderr.
+are one-way (RTT = 2 x delay). With --signal-outage, each SIGUSR1 begins an outage at once: for a
+script that drops the link at a moment of the generation's, not of the clock's (`make demo`).
+Stops on SIGTERM or SIGINT and prints its byte counts on stderr.
 """
 from __future__ import annotations
 
@@ -56,6 +59,13 @@ def _number(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
 
 
+def _seconds(text: str) -> float:
+    seconds = _number(text)
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return seconds
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = _Parser(prog="netsim", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -74,6 +84,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="length of each random outage in seconds")
     p.add_argument("--outage-mode", type=_user_type(parse_outage_mode), metavar="cut|blackhole",
                    help="cut: reset connections and refuse new ones; blackhole: pass nothing")
+    p.add_argument("--signal-outage", type=_seconds, metavar="S",
+                   help="each SIGUSR1 begins an outage of S seconds at once, in the outage mode")
     p.add_argument("--seed", type=int, help="seed of the jitter and the random outages")
     args = p.parse_args(argv)
     try:
@@ -95,17 +107,26 @@ def conditions_from(args: argparse.Namespace) -> NetworkConditions:
     return replace(conditions, outages=outages, **given)
 
 
-async def serve(listen: str, target: str, conditions: NetworkConditions) -> None:
-    """Proxies until SIGTERM or SIGINT."""
+async def serve(listen: str, target: str, conditions: NetworkConditions,
+                signal_outage_s: float | None = None) -> None:
+    """Proxies until SIGTERM or SIGINT; with `signal_outage_s`, each SIGUSR1 begins an outage
+    that long."""
     proxy = NetSimProxy(target, conditions, listen)
     await proxy.start()
-    stopping = asyncio.Event()  # caught before the address is printed: a stop may follow it
+    # Signals are caught before the address is printed: a stop or a cue may follow it at once.
+    stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    described = conditions.describe()
+    if signal_outage_s is not None:
+        # the proxy holds each outage_now() task (and cancels it on stop) once it runs
+        loop.add_signal_handler(signal.SIGUSR1,
+                                lambda: loop.create_task(proxy.outage_now(signal_outage_s)))
+        described += (f", on SIGUSR1 a {conditions.outage_mode.value} outage of "
+                      f"{signal_outage_s:g} s")
     print(f"listening on {proxy.address}", flush=True)
-    print(f"netsim: {proxy.address} -> {target}: {conditions.describe()}", file=sys.stderr,
-          flush=True)
+    print(f"netsim: {proxy.address} -> {target}: {described}", file=sys.stderr, flush=True)
     await stopping.wait()
     await proxy.stop()
     s = proxy.stats()
@@ -117,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="netsim: %(message)s", stream=sys.stderr)
     try:
-        asyncio.run(serve(args.listen, args.target, args.conditions))
+        asyncio.run(serve(args.listen, args.target, args.conditions, args.signal_outage))
     except OSError as err:
         print(f"netsim: error: {err}", file=sys.stderr)
         return 1

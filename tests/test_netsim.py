@@ -371,6 +371,28 @@ def test_cli_prints_its_address_forwards_and_stops_on_sigterm(echo: str):
     assert "stopped: 1 connections" in proc.stderr.read()
 
 
+def test_cli_cuts_the_link_when_signalled(echo: str):
+    # 3 s: the refused connect inside the outage keeps seconds of margin on a busy machine
+    proc = subprocess.Popen([sys.executable, "-m", "netsim.cli", "--target", echo,
+                             "--profile", "lan", "--signal-outage", "3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 20)
+        assert ready, "netsim printed nothing"
+        address = proc.stdout.readline().strip().removeprefix("listening on ")
+        with _connect(address) as sock:
+            _round_trip_ms(sock)
+            proc.send_signal(signal.SIGUSR1)
+            with pytest.raises((ConnectionResetError, EOFError)):
+                _recv_exactly(sock, 1)  # blocks until the cut
+        with pytest.raises(ConnectionRefusedError):
+            _connect(address)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+    assert "1 outages" in proc.stderr.read()
+
+
 def test_cli_bad_arguments_exit_2_with_one_line(echo: str):
     result = subprocess.run([sys.executable, "-m", "netsim.cli", "--target", echo,
                              "--profile", "6g"], capture_output=True, text=True, timeout=20)
