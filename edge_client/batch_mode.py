@@ -69,6 +69,7 @@ def result_record(item_id: Any, result: GenerationResult, text: str) -> dict[str
         "bytes_up": result.bytes_up,
         "bytes_down": result.bytes_down,
         "offline_tokens": result.offline_tokens,
+        "kept_tokens": result.kept_tokens,
         "corrected_tokens": result.corrected_tokens,
         "unverified_ids": result.unverified_ids,
         "reconnects": result.reconnects,

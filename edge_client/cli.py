@@ -222,7 +222,8 @@ def stats_line(r: GenerationResult, drafter: str) -> str:
                  f"({1000 * r.hidden_draft_s:.0f} ms drafting hidden)")
     if r.reconnects or r.offline_tokens:
         line += (f", {r.reconnects} reconnects, {r.outage_s:.1f} s offline, "
-                 f"{r.offline_tokens} offline tokens ({r.corrected_tokens} corrected)")
+                 f"{r.offline_tokens} offline tokens ({r.kept_tokens} kept, "
+                 f"{r.corrected_tokens} corrected)")
     if r.unverified_ids:
         line += f", {len(r.unverified_ids)} tokens UNVERIFIED (server never returned)"
     return line + f", {r.finish_reason.name.lower()}]"

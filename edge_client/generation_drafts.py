@@ -128,8 +128,10 @@ class GenerationDrafts:
 
     def committed(self, tokens: Sequence[int]) -> None:
         """The server committed `tokens`: the offline text keeps what they confirm."""
-        self.offline, rewound = reconcile(self.offline, list(tokens))
+        pending, rewound = reconcile(self.offline, list(tokens))
+        self.result.kept_tokens += len(self.offline) - len(pending) - rewound
         self.result.corrected_tokens += rewound
+        self.offline = pending
 
     def rows_in(self, context: Sequence[int]) -> bool:
         """The drafter holds what it reads to draft from `context`: a drafter fed the

@@ -57,6 +57,7 @@ class GenerationResult:
     rebuilt_sessions: int = 0  # resumes the server answered from history (it lost the session)
     outage_s: float = 0.0  # time without a working link
     offline_tokens: int = 0  # drafted while the link was down
+    kept_tokens: int = 0  # offline tokens the target's own text confirmed
     corrected_tokens: int = 0  # offline tokens the target disagreed with, rewound
     unverified_ids: list[int] = field(default_factory=list)  # kept unverified (policy keep)
     server_only: bool = False  # a baseline: one server-streaming call, no drafts (server_only.py)

@@ -8,8 +8,11 @@ import pytest
 
 from cloud_server.decoding.session_table import SessionTable
 from shared.drafting.pld import PromptLookupDrafter
+from edge_client.generation_drafts import GenerationDrafts
 from edge_client.offline import Backoff, LinkPolicy, draft_offline, reconcile
 from edge_client.pipelined_drafting import Speculation
+from edge_client.reporting import GenerationResult, SilentListener
+from shared.drafting.budget import TreeBudget
 from shared.errors import Overloaded
 from shared.messages import Limits
 from shared.tree import DraftTree
@@ -27,6 +30,19 @@ from shared.tree import DraftTree
 def test_reconcile_keeps_the_agreed_prefix_and_rewinds_the_rest(offline, committed, pending,
                                                                  rewound):
     assert reconcile(offline, committed) == (pending, rewound)
+
+
+def test_each_offline_token_is_counted_once_as_kept_or_rewound():
+    result = GenerationResult()
+    drafts = GenerationDrafts(PromptLookupDrafter(), TreeBudget([(1, 1.0)], 8), result,
+                              SilentListener(), Limits(), None)
+    drafts.offline = [1, 2, 3, 4, 5]
+    drafts.committed([1, 2])  # a resume's catch-up confirms two
+    assert (result.kept_tokens, result.corrected_tokens, drafts.offline) == (2, 0, [3, 4, 5])
+    drafts.committed([3, 9])  # the check of the rest keeps one and rewinds two
+    assert (result.kept_tokens, result.corrected_tokens, drafts.offline) == (3, 2, [])
+    drafts.committed([7])  # committed text with no offline text left counts for neither
+    assert (result.kept_tokens, result.corrected_tokens) == (3, 2)
 
 
 def test_offline_drafting_follows_the_best_path_up_to_the_room():

@@ -79,7 +79,8 @@ def split_stats(request: ApiRequest, result: GenerationResult) -> dict[str, Any]
             "tau": round(result.tau, 3), "rounds": result.rounds,
             "server_calls": result.server_calls, "tokens_per_s": round(result.tokens_per_s, 2),
             "ttft_s": round(result.ttft_s, 4), "offline_tokens": result.offline_tokens,
-            "corrected_tokens": result.corrected_tokens, "reconnects": result.reconnects,
+            "kept_tokens": result.kept_tokens, "corrected_tokens": result.corrected_tokens,
+            "reconnects": result.reconnects,
             "unverified_tokens": len(result.unverified_ids),
             "unverified_included": bool(result.unverified_ids) and request.allow_unverified,
             "drafts": asdict(result.drafts)}
