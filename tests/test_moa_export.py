@@ -2,13 +2,15 @@
 close, and the bundle survives archive -> install with every sha256 checked."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import onnxruntime as ort
 import pytest
 import torch
 
 from cloud_server.moa.bundle import archive
-from cloud_server.moa.export import MemoryGraph, StepGraph, example_inputs
+from cloud_server.moa.export import MemoryGraph, StepGraph, example_inputs, quantize_int8
 from cloud_server.moa.weights import load_drafter
 from edge_client.drafters.moa_bundle import install_bundle, load_manifest, verify
 from shared.drafter_bundle import (
@@ -81,6 +83,15 @@ def test_int8_only_bundle(tiny_target, tiny_drafter_dir, tmp_path):
     manifest = verify(bundle)
     assert set(manifest.graphs) == {Precision.INT8}
     assert not (bundle / "step.onnx").exists()
+
+
+def test_quantizing_logs_no_advice_to_pre_process(tiny_bundle, tmp_path, caplog):
+    """onnxruntime advises pre-processing on the root logger for every graph it quantizes:
+    on a fresh setup the console showed it for every bundle built. Only that line goes."""
+    caplog.set_level(logging.WARNING)
+    quantize_int8(tiny_bundle / "step.onnx", tmp_path / "step.int8.onnx")
+    assert not [r for r in caplog.records if "pre-processing" in r.getMessage()]
+    assert not logging.getLogger().filters
 
 
 def test_int8_graph_quantizes_the_embedding_and_head(tiny_bundle):

@@ -21,6 +21,7 @@ only `onnx`, where the dynamo exporter would pull in onnxscript.
 """
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -164,9 +165,23 @@ def constants_to_initializers(path: Path) -> None:
     onnx.save(model, str(path))
 
 
+class _NoPreprocessingAdvice(logging.Filter):
+    """Drops the advice quantize_dynamic logs on the root logger for every graph it is given:
+    to pre-process it first (shape inference, graph fusions). It infers shapes itself, and the
+    MatMul and Gather weights quantized here are meant as the export wrote them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Please consider to run pre-processing")
+
+
 def quantize_int8(source: Path, dest: Path) -> None:
     """Dynamic int8 quantization of MatMul weights and the embedding Gather (onnxruntime)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(str(source), str(dest), weight_type=QuantType.QInt8,
-                     op_types_to_quantize=["MatMul", "Gather"])
+    advice, root = _NoPreprocessingAdvice(), logging.getLogger()
+    root.addFilter(advice)
+    try:
+        quantize_dynamic(str(source), str(dest), weight_type=QuantType.QInt8,
+                         op_types_to_quantize=["MatMul", "Gather"])
+    finally:
+        root.removeFilter(advice)
