@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from testkit.cli_harness import free_port  # every benchmark takes its ports from here
 
@@ -93,15 +93,33 @@ def netsim_proxy(target: str, profile: str, outages: Sequence[tuple[float, float
 
 
 @contextlib.contextmanager
+def netsim_on_cue(target: str, profile: str, outage_s: float,
+                  cores: frozenset[int] | None = None) -> Iterator[tuple[str, Callable[[], None]]]:
+    """A `netsim` proxy process, as netsim_proxy starts, whose link drops when the caller says
+    so: at a moment of the generation's, not the clock's. Yields HOST:PORT and a function that
+    cuts the link for `outage_s` at once."""
+    args = ["--target", target, "--profile", profile, f"--signal-outage={outage_s:g}"]
+    with _started("netsim.cli", args, cores) as (address, proc):
+        yield address, lambda: proc.send_signal(signal.SIGUSR1)
+
+
+@contextlib.contextmanager
 def _listening(module: str, args: list[str], cores: frozenset[int] | None) -> Iterator[str]:
+    with _started(module, args, cores) as (address, _):
+        yield address
+
+
+@contextlib.contextmanager
+def _started(module: str, args: list[str], cores: frozenset[int] | None
+             ) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m module args` on `cores` until the block ends; yields the HOST:PORT of the
-    `listening on HOST:PORT` line it prints first."""
+    `listening on HOST:PORT` line it prints first, and the process."""
     proc = python_module(module, args, cores, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline().strip()
         if not line.startswith("listening on "):
             raise RuntimeError(f"{module} did not start: {line!r}")
-        yield line.removeprefix("listening on ")
+        yield line.removeprefix("listening on "), proc
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
