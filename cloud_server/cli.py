@@ -53,7 +53,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the model, else transformers")
     p.add_argument("--cuda-graphs", choices=[g.value for g in Graphs], default=Graphs.AUTO.value,
                    help="the static engine replays each forward shape from a CUDA graph "
-                        "captured at startup; auto (default): on when the target is on CUDA")
+                        "captured at startup; auto (default): on when the target is on CUDA; "
+                        "rehearse: the engine a GPU picks, padded to the same shapes, each "
+                        "run eagerly under the graphs' contract (a GPU's forwards on a CPU)")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
     p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)

@@ -41,3 +41,7 @@ class Graphs(StrEnum):
     AUTO = "auto"  # on when the target runs on CUDA
     ON = "on"
     OFF = "off"
+    # as on a GPU (the static engine, padded to the buckets, each captured at startup), but
+    # each shape runs eagerly under the graphs' contract (cuda_graphs.Rehearsal): a GPU
+    # server's forwards reproduced on a CPU, or a capture ruled out on a GPU
+    REHEARSE = "rehearse"

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from typing import Iterator
 
-from testkit.device_under_test import DEVICE
+from testkit.device_under_test import SERVER_FLAGS
 
 STARTUP_TIMEOUT_S = 300  # the first start converts the GGUF
 QUESTION = "Name the capital city of France."  # one the 4-bit target is sure of
@@ -42,7 +42,7 @@ def server_process(port: int, *extra: str) -> subprocess.Popen:
     """A cloud-server process on `port`, returned once it listens; the caller stops it. For
     tests that kill and restart a server on the same port."""
     proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", str(port),
-                             "--device", DEVICE, "--quiet", *extra], stdout=subprocess.PIPE,
+                             *SERVER_FLAGS, "--quiet", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
     assert ready and proc.stdout.readline().startswith("listening on "), "no server"
@@ -52,7 +52,7 @@ def server_process(port: int, *extra: str) -> subprocess.Popen:
 @contextlib.contextmanager
 def running_server(*extra: str) -> Iterator[str]:
     """A cloud-server on a free port; yields HOST:PORT."""
-    with first_line([sys.executable, "-m", "cloud_server.cli", "--port", "0", "--device", DEVICE,
+    with first_line([sys.executable, "-m", "cloud_server.cli", "--port", "0", *SERVER_FLAGS,
                      *extra], "listening on ", STARTUP_TIMEOUT_S) as address:
         yield address
 

@@ -1,13 +1,40 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from typing import Any, Generator
 
 import pytest
 
-
-from testkit.device_under_test import DEVICE
+from testkit.device_under_test import load_target
 from testkit.tiny_drafters import fp32_bundle, train_tiny
 from testkit.tiny_model import build_tiny_model
+
+_CAPTURES_SEEN = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo
+                              ) -> Generator[None, Any, None]:
+    """A forward shape that failed to capture (cuda_graphs.failed_captures) fails the test
+    phase it happened in, fixtures' included: it runs eagerly, so the output stays right, and
+    the line it prints is swallowed with a passing test's stderr (SPLITDEC_TEST_DEVICE=cuda
+    or cpu-graphs capture every shape they run)."""
+    outcome = yield
+    graphs = sys.modules.get("cloud_server.engine.cuda_graphs")  # none imported, none failed
+    if graphs is None:
+        return
+    failed = graphs.failed_captures()
+    fresh = failed[item.config.stash.get(_CAPTURES_SEEN, 0):]
+    item.config.stash[_CAPTURES_SEEN] = len(failed)
+    if not fresh:
+        return
+    report = outcome.get_result()
+    text = f"{len(fresh)} forward shape(s) failed to capture:\n" + "\n".join(fresh)
+    if report.failed:
+        report.sections.append(("failed captures", text))
+    else:
+        report.outcome, report.longrepr = "failed", text
 
 
 @pytest.fixture(scope="session")
@@ -17,9 +44,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_target(tiny_model_dir: Path):
-    from cloud_server.target import TargetModel
-
-    return TargetModel.load(str(tiny_model_dir), "tiny-llama", device=DEVICE)
+    return load_target(str(tiny_model_dir), "tiny-llama")
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ from cloud_server.decoding.batching import Batcher
 from cloud_server.model_thread import ModelThread
 from cloud_server.decoding.server_decoding import ServerDecoder, decode_in_process, own_drafter
 from cloud_server.decoding.session import Session
-from cloud_server.engine.kv_cache import keep_path
 from cloud_server.target import PREFILL_CHUNK
 from shared.acceptance import AcceptanceMode
 from shared.drafting.base import DrafterName
@@ -20,8 +19,7 @@ from shared.messages import OpenRequest
 from shared.sampling import SamplingParams
 from shared.tree import DraftTree
 from testkit.batched_runs import LIMITS, run_together
-from testkit.device_under_test import DEVICE
-
+from testkit.device_under_test import load_target
 
 
 def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
@@ -75,7 +73,7 @@ def test_a_prompt_chunk_batched_with_a_tree_continues_like_a_whole_prefill(tiny_
         while True:
             job = next(work)
             tiny_target.run([job, tiny_target.tree_job(other, 5, random_tree(rng, 4, 300))])
-            keep_path(other, 29, ())
+            tiny_target.keep_path(other, 29, ())
     except StopIteration as done:
         logits, _ = done.value
     torch.testing.assert_close(logits, whole, rtol=1e-5, atol=1e-5)
@@ -175,9 +173,7 @@ def test_a_half_precision_target_batches_and_speculates_like_its_plain_decoding(
         tiny_model_dir, precision):
     """--dtype on the CPU (the GPU path's precisions): the model loads in it, and batched
     speculative sessions write what plain decoding in that precision writes."""
-    from cloud_server.target import TargetModel
-
-    target = TargetModel.load(str(tiny_model_dir), "tiny-llama", DEVICE, precision=precision)
+    target = load_target(str(tiny_model_dir), "tiny-llama", precision=precision)
     assert target.model.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=20) for p in prompts(3)]
     together, most = run_together(target, requests, DrafterName.PLD)

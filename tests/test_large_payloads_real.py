@@ -13,7 +13,7 @@ from edge_client.client import ClientOptions, EdgeClient
 from edge_client.link import ServerLink
 from edge_client.server_only import Mode
 from shared.messages import ActivationFormat, Limits, OpenRequest, Opened, Resume, Verdict
-from testkit.device_under_test import DEVICE
+from testkit.device_under_test import load_target
 from cloud_server.config import ServerConfig
 from tests.server_harness import ServerThread
 
@@ -27,9 +27,8 @@ NEW = 6
 def served():
     from cloud_server import model_store
     from cloud_server.moa.weights import committed_drafter
-    from cloud_server.target import TargetModel
 
-    target = TargetModel.load(*model_store.resolve("default"), DEVICE)
+    target = load_target(*model_store.resolve("default"))
     drafter_dir = committed_drafter(target.model_id)
     if drafter_dir is None:
         pytest.skip(f"no MoA drafter committed for {target.model_id}")

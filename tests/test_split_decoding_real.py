@@ -9,7 +9,7 @@ from shared import prompt_sets as prompts
 from cloud_server.reference import compare, plain_greedy
 from edge_client.client import ClientOptions, EdgeClient
 from shared.messages import ChatMessage, OpenRequest
-from testkit.device_under_test import DEVICE
+from testkit.device_under_test import load_target
 from testkit.waiting import Progress
 from tests.server_harness import ServerThread
 
@@ -20,9 +20,8 @@ MAX_NEW = 48
 @pytest.fixture(scope="module")
 def real_target():
     from cloud_server import model_store
-    from cloud_server.target import TargetModel
 
-    return TargetModel.load(*model_store.resolve("default"), device=DEVICE)
+    return load_target(*model_store.resolve("default"))
 
 
 def sample_prompts() -> list[str]:

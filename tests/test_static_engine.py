@@ -7,16 +7,20 @@ decoding. The same tests run eagerly and unpadded, as the CPU serves it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from cloud_server.config import ServerConfig
+from cloud_server.device import EngineChoice, Graphs, Weights
 from cloud_server.engine.buckets import Buckets
-from cloud_server.engine.cuda_graphs import Rehearsal, Replay
+from cloud_server.engine.choice import pick_engine
+from cloud_server.engine.cuda_graphs import Rehearsal, Replay, failed_captures
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
 from cloud_server.engine.transformers_engine import ModulesEngine
 from cloud_server.target import TargetModel
@@ -30,6 +34,7 @@ from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.tree_checks import assert_tree_forward_is_per_path, causal_logits
 from tests.server_harness import ServerThread
 
+ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 42, 99, 7, 61, 3, 9, 11, 12, 13]
 TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17), parents=(-1, -1, 0, 0, 1, 2, 5, 4))
 LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=300, max_new_tokens=64,
@@ -55,13 +60,46 @@ def test_a_tree_forward_gives_each_node_its_paths_logits(target):
     assert_tree_forward_is_per_path(target, PROMPT, 30, TREE)
 
 
-def test_every_bucket_captures_as_the_server_prepares_it(tiny_target, capsys):
+def test_every_bucket_captures_as_the_server_prepares_it(tiny_target):
     """build_service calls prepare outside inference mode, so capture ran the forward with
     autograd on: the first bucket failed (the KV slots written in place) and decoding steps
     ran eagerly (found rehearsing on the CPU)."""
     engine = static_target(tiny_target, graphs=True).engine
+    failed = failed_captures()
     engine.prepare([(), (0, 1)])
-    assert "failed" not in capsys.readouterr().err
+    assert failed_captures() == failed
+
+
+FAILING_CAPTURE = """
+import torch
+from cloud_server.engine.cuda_graphs import Rehearsal, capture_or_none
+
+
+def refused(ints, tree):
+    raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_shape_fails_to_capture():
+    zeros = torch.zeros(1)
+    assert capture_or_none(Rehearsal, refused, zeros, zeros, None, "Shape(1, 3, 256)") is None
+
+
+def test_nothing_is_captured():
+    pass
+"""
+
+
+def test_a_shape_that_fails_to_capture_fails_its_test(tmp_path):
+    """It runs eagerly, right, and its stderr line went with a passing test's output: a GPU
+    run counted fewer failed captures than there were (tests/conftest.py)."""
+    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_makereport\n")
+    (tmp_path / "test_capture.py").write_text(FAILING_CAPTURE)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 1, proc.stdout
+    assert "1 failed, 1 passed" in proc.stdout
+    assert "1 forward shape(s) failed to capture:\nShape(1, 3, 256): operation not" in proc.stdout
 
 
 def test_a_prompt_longer_than_every_bucket_runs_eagerly_and_exactly(target):
@@ -173,6 +211,26 @@ def test_an_engine_that_cannot_run_the_model_names_the_one_that_will(tmp_path):
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("cloud-server: error: ") and last.endswith("transformers will")
+
+
+def test_rehearsed_graphs_pick_the_engine_cuda_picks(tiny_target, tmp_path):
+    """`--cuda-graphs rehearse` (SPLITDEC_TEST_DEVICE=cpu-graphs): on the CPU, the static
+    engine padded to the buckets where CUDA picks it, even for a model from a 4-bit GGUF
+    (whose file it then never reads), and the modules where CUDA picks them; never the 4-bit
+    engine, which has no such graphs."""
+    from testkit.target_families import build_family
+
+    engine = pick_engine(tiny_target.model, torch.device("cpu"), Weights.AUTO,
+                         EngineChoice.AUTO, Graphs.REHEARSE, PLAN, tmp_path / "absent.gguf",
+                         True)
+    assert isinstance(engine, StaticEngine)
+    assert engine.describe().startswith("static engine, rehearsed graphs, float32")
+    path = build_family("gemma2", tmp_path)
+    assert isinstance(TargetModel.load(str(path), "gemma2", "cpu", graphs="rehearse").engine,
+                      ModulesEngine)
+    with pytest.raises(ValueError, match="--cuda-graphs rehearse is the static engine's"):
+        pick_engine(tiny_target.model, torch.device("cpu"), Weights.Q4, EngineChoice.AUTO,
+                    Graphs.REHEARSE, PLAN, None, True)
 
 
 @pytest.mark.parametrize("variant", ["", "last"])  # K/V read from the cache; layers captured

@@ -17,7 +17,7 @@ from cloud_server.self_check import UnverifiedModel
 from cloud_server.target import TargetModel
 from shared.messages import Limits
 from shared.tree import DraftTree
-from testkit.device_under_test import DEVICE
+from testkit.device_under_test import load_target
 from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.tree_checks import assert_tree_forward_is_per_path
 from testkit.target_families import FAMILIES, WINDOW, build_family
@@ -44,7 +44,7 @@ def target(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
            ) -> TargetModel:
     family, engine = request.param
     path = build_family(family, tmp_path_factory.mktemp(family))
-    return TargetModel.load(str(path), family, DEVICE, engine=engine, limits=LIMITS)
+    return load_target(str(path), family, engine=engine, limits=LIMITS)
 
 
 def test_a_tree_forward_gives_each_node_its_paths_logits(target):
@@ -92,7 +92,7 @@ def test_split_greedy_is_plain_greedy(target, drafter):
 
 
 def test_an_architecture_outside_the_table_loads_when_it_passes_the_self_check(tmp_path):
-    target = TargetModel.load(str(build_family("olmo2", tmp_path)), "olmo2", DEVICE)
+    target = load_target(str(build_family("olmo2", tmp_path)), "olmo2")
     cache, _ = target.prefill(PROMPT)
     assert target.forward_tree(cache, 30, TREE).shape == (1 + len(TREE), target.vocab_size)
 
@@ -100,7 +100,7 @@ def test_an_architecture_outside_the_table_loads_when_it_passes_the_self_check(t
 def test_an_architecture_that_fails_the_self_check_is_refused_with_one_line(tmp_path):
     path = build_family("bloom", tmp_path)
     with pytest.raises(UnverifiedModel, match=r"\(bloom\) is outside the verified families"):
-        TargetModel.load(str(path), "bloom", DEVICE)
+        load_target(str(path), "bloom")
     proc = subprocess.run([sys.executable, "-m", "cloud_server.cli", "--model", str(path),
                            "--drafter-dir", "none", "--port", "0"],
                           capture_output=True, text=True, timeout=120)

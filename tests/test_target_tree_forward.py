@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from cloud_server.engine.layer_outputs import LayerOutputs
-from cloud_server.engine.kv_cache import keep_path
 from shared.tree import DraftTree
 
 PROMPT = [5, 17, 42, 99, 7, 61]
@@ -38,7 +37,7 @@ def test_compacted_cache_continues_like_plain_decoding(tiny_target):
     cache, _ = tiny_target.prefill(PROMPT)
     tiny_target.forward_tree(cache, pending, TREE)
     accepted = (1, 4, 7)  # 11 -> 14 -> 17
-    keep_path(cache, len(PROMPT), accepted)
+    tiny_target.keep_path(cache, len(PROMPT), accepted)
     assert cache.get_seq_length() == len(PROMPT) + 1 + len(accepted)
     nxt = tiny_target.forward_tree(cache, 3, DraftTree.chain([8])).cpu()
     committed = PROMPT + [pending] + [TREE.tokens[i] for i in accepted] + [3, 8]
@@ -60,13 +59,15 @@ def causal_layer_outputs(target, ids: list[int], layers: tuple[int, ...]) -> tor
 
 
 def test_tree_forward_captures_each_paths_layer_outputs(tiny_target):
-    """What the server half reads of an accepted node (hidden-state inputs) equals what a
-    causal forward of its path gives, as for the logits: training saw the causal ones."""
+    """What the server half reads of an accepted node (hidden-state inputs, the layers the
+    engine captures in the tree forward) equals what a causal forward of its path gives, as
+    for the logits: training saw the causal ones."""
     pending, layers = 30, (0, 1)
     cache, _ = tiny_target.prefill(PROMPT)
-    with LayerOutputs(tiny_target.model, layers) as captured:
-        tiny_target.forward_tree(cache, pending, TREE)
-    tree_outputs = captured.stacked()[0].cpu()  # [1 + n, L, width]
+    job = tiny_target.tree_job(cache, pending, TREE, capture=layers)
+    tiny_target.run([job])
+    assert job.hidden is not None
+    tree_outputs = job.hidden.cpu()  # [1 + n, L, width]
     base = PROMPT + [pending]
     torch.testing.assert_close(tree_outputs[0], causal_layer_outputs(tiny_target, base, layers)[-1],
                                atol=1e-4, rtol=0)

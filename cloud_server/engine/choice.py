@@ -11,7 +11,7 @@ import torch
 from cloud_server.device import EngineChoice, Graphs, Weights
 from cloud_server.engine import static_llama
 from cloud_server.engine.cpu_kernels import use_onednn_linear
-from cloud_server.engine.cuda_graphs import Replay
+from cloud_server.engine.cuda_graphs import Rehearsal, Replay
 from cloud_server.engine.interface import Engine
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
 from cloud_server.engine.transformers_engine import ModulesEngine
@@ -19,7 +19,10 @@ from cloud_server.engine.transformers_engine import ModulesEngine
 
 def pick_engine(model: Any, device: torch.device, weights: Weights, choice: EngineChoice,
                 graphs: Graphs, plan: SlotPlan, gguf: Path | None, onednn: bool) -> Engine:
-    quantized = _quantized(model, weights, gguf)
+    """`graphs` rehearse picks as CUDA does, whatever the device: the static engine where it
+    runs the model, padded to the buckets and captured at startup, each shape run eagerly
+    under the graphs' contract (Rehearsal)."""
+    quantized = _quantized(model, weights, gguf, graphs)
     if quantized is not None:
         return quantized
     why = static_llama.unsupported(model)
@@ -27,22 +30,29 @@ def pick_engine(model: Any, device: torch.device, weights: Weights, choice: Engi
         raise ValueError(f"--engine static cannot run it: {why}; --engine transformers will")
     if graphs is Graphs.ON and device.type != "cuda":
         raise ValueError("--cuda-graphs on needs the target on CUDA (--device cuda)")
+    as_cuda = device.type == "cuda" or graphs is Graphs.REHEARSE
     static = choice is EngineChoice.STATIC or (
-        choice is EngineChoice.AUTO and why is None and device.type == "cuda")
+        choice is EngineChoice.AUTO and why is None and as_cuda)
     if static:
-        use_graphs = graphs is Graphs.ON or (graphs is Graphs.AUTO and device.type == "cuda")
-        return StaticEngine(model, device, plan, Replay if use_graphs else None)
+        kinds = {Graphs.ON: Replay, Graphs.OFF: None, Graphs.REHEARSE: Rehearsal,
+                 Graphs.AUTO: Replay if device.type == "cuda" else None}
+        return StaticEngine(model, device, plan, kinds[graphs])
     if onednn and device.type == "cpu":
         use_onednn_linear(model)
     return ModulesEngine(model, device)
 
 
-def _quantized(model: Any, weights: Weights, gguf: Path | None) -> Engine | None:
+def _quantized(model: Any, weights: Weights, gguf: Path | None, graphs: Graphs) -> Engine | None:
     """The 4-bit engine for `model` when `weights` asks for it. auto asks for it only for a
-    model converted from a 4-bit GGUF, where it runs the shipped blocks: a user's checkpoint
-    keeps its precision unless `--weights q4` rounds it."""
-    if weights is Weights.FP32 or (weights is Weights.AUTO and gguf is None):
+    model converted from a 4-bit GGUF, where it runs the shipped blocks, and no graphs are
+    asked for (they are the static engine's): a user's checkpoint keeps its precision unless
+    `--weights q4` rounds it."""
+    graphs_asked = graphs in (Graphs.ON, Graphs.REHEARSE)
+    if weights is Weights.FP32 or (weights is Weights.AUTO and (gguf is None or graphs_asked)):
         return None
+    if graphs_asked:
+        raise ValueError(f"--cuda-graphs {graphs.value} is the static engine's; --weights q4 "
+                         "runs the 4-bit engine (--weights fp32 runs the static one)")
     from cloud_server.engine import onnx_engine
 
     why = onnx_engine.unsupported(model)
