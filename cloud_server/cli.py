@@ -72,7 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="--weights q4: build the graph for each batch size (up to "
                         "--max-sessions a forward) at startup, or when a batch first needs "
                         "it (default), which stalls every session for its build: seconds "
-                        "for 2 sessions, tens for 8 (docs/usage.md, --batch-graphs)")
+                        "for 2 sessions, tens for 8; the static engine's CUDA graphs for "
+                        "batches of several sessions likewise (docs/usage.md, --batch-graphs)")
     p.add_argument("--idle-timeout", type=int, default=defaults.session_idle_timeout_s,
                    help="seconds a session may stay silent before it is closed")
     p.add_argument("--drafter-dir", default="default", metavar="DIR",

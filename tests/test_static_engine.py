@@ -23,6 +23,8 @@ from cloud_server.engine.choice import pick_engine
 from cloud_server.engine.cuda_graphs import Rehearsal, Replay, failed_captures
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
 from cloud_server.engine.transformers_engine import ModulesEngine
+from cloud_server.model_thread import ModelThread
+from cloud_server.rpc.server import build_service
 from cloud_server.target import TargetModel
 from shared.errors import Overloaded
 from cloud_server.reference import compare, plain_greedy
@@ -66,7 +68,7 @@ def test_every_bucket_captures_as_the_server_prepares_it(tiny_target):
     ran eagerly (found rehearsing on the CPU)."""
     engine = static_target(tiny_target, graphs=True).engine
     failed = failed_captures()
-    engine.prepare([(), (0, 1)])
+    engine.prepare([(), (0, 1)], PLAN.sessions)
     assert failed_captures() == failed
 
 
@@ -100,6 +102,45 @@ def test_a_shape_that_fails_to_capture_fails_its_test(tmp_path):
     assert proc.returncode == 1, proc.stdout
     assert "1 failed, 1 passed" in proc.stdout
     assert "1 forward shape(s) failed to capture:\nShape(1, 3, 256): operation not" in proc.stdout
+
+
+def counting_rehearsal() -> tuple[type[Rehearsal], list[tuple[int, int]]]:
+    """A Rehearsal that notes each capture's [sessions, tokens], and the notes."""
+    made: list[tuple[int, int]] = []
+
+    class Counted(Rehearsal):
+        def __init__(self, step, ints, tree, pool):
+            made.append((tree.shape[0], tree.shape[1]))
+            super().__init__(step, ints, tree, pool)
+    return Counted, made
+
+
+@pytest.mark.parametrize("at_start", [True, False], ids=["start", "first-use"])
+def test_the_server_captures_the_session_buckets_its_batches_may_use(tiny_target, at_start,
+                                                                    capsys):
+    """build_service prepares the buckets of one session a forward, or with `--batch-graphs
+    start` of up to --max-sessions (6: buckets 1, 2, 4, 6; every bucket once captured 160
+    shapes a capture set on a GPU at the defaults); a batch of 3 then runs on the 4-session
+    bucket captured at startup, or captures it when it first comes, and says so."""
+    kind, made = counting_rehearsal()
+    engine = StaticEngine(tiny_target.model, tiny_target.device, PLAN, kind)
+    target = TargetModel(tiny_target.model, tiny_target.tokenizer, "tiny-static",
+                         tiny_target.device, engine)
+    model_thread = ModelThread()
+    try:
+        build_service(target, ServerConfig(LIMITS, graphs_at_start=at_start), model_thread)
+    finally:
+        model_thread.shutdown()
+    per_session_bucket = len(engine.buckets.tokens) * len(engine.buckets.contexts)
+    sessions = (1, 2, 4, 6) if at_start else (1,)
+    assert sorted(set(made)) == [(s, t) for s in sessions for t in engine.buckets.tokens]
+    assert len(made) == len(sessions) * per_session_bucket
+    line = f"capturing {len(made)} forward shapes ({'/'.join(map(str, sessions))} sessions x"
+    assert line in capsys.readouterr().err
+    captured = len(made)
+    caches = [target.prefill(prompt)[0] for prompt in (PROMPT, [9, 8, 7], [1, 2, 3])]
+    target.run([target.tree_job(cache, 30, TREE) for cache in caches])
+    assert made[captured:] == ([] if at_start else [(4, 9)])
 
 
 def test_a_prompt_longer_than_every_bucket_runs_eagerly_and_exactly(target):

@@ -44,6 +44,11 @@ class Buckets:
         return [Shape(s, t, c) for s in self.sessions for t in self.tokens
                 for c in self.contexts]
 
+    def sessions_for(self, n: int) -> int:
+        """The smallest session bucket for `n` sessions; the largest beyond it (a batch of
+        more is cut into forwards of that many)."""
+        return next((s for s in self.sessions if s >= n), self.sessions[-1])
+
     def tokens_for(self, n: int) -> int | None:
         """The smallest token bucket for `n` tokens, None beyond the largest."""
         return next((t for t in self.tokens if t >= n), None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -90,14 +90,21 @@ class StaticEngine:
         self.pool.keep_path(cache, base, accepted_nodes)
 
     def prepare(self, captures: Sequence[tuple[int, ...]], sessions: int = 1) -> None:
-        """Captures every bucket for each set of layers to capture, now rather than in the
-        first forwards that need them (the slot plan, not `sessions`, sizes the buckets)."""
+        """Captures, for each set of layers to capture, every bucket a forward of up to
+        `sessions` sessions may use, now rather than in the first forwards that need them; a
+        forward of more sessions captures its bucket when it first comes."""
         if self._graph_kind is None:
             return
-        shapes, b = self.buckets.all, self.buckets
-        print(f"static engine: capturing {len(shapes) * len(captures)} forward shapes (up to "
-              f"{b.sessions[-1]} sessions x {b.tokens[-1]} tokens; longer prompt chunks run "
-              "eagerly) ...", file=sys.stderr, flush=True)
+        b = self.buckets
+        most = b.sessions_for(sessions)
+        shapes = [shape for shape in b.all if shape.sessions <= most]
+        later = (f"forwards of {_listed(s for s in b.sessions if s > most)} sessions capture "
+                 "their shapes when they first come; " if most < b.sessions[-1] else "")
+        print(f"static engine: capturing {len(shapes) * len(captures)} forward shapes "
+              f"({_listed(s for s in b.sessions if s <= most)} sessions x "
+              f"{_listed(b.tokens)} tokens x {_listed(b.contexts)} positions, "
+              f"{len(captures)} set(s) of layers captured; {later}prompt chunks past "
+              f"{b.tokens[-1]} tokens run eagerly) ...", file=sys.stderr, flush=True)
         for capture in captures:
             for shape in shapes:
                 self._graph(shape, capture)
@@ -186,6 +193,10 @@ class StaticEngine:
                                                 inputs.tree.to(self.device), self._graph_pool,
                                                 shape)
         return self._graphs[key]
+
+
+def _listed(sizes: Iterable[int]) -> str:
+    return "/".join(str(size) for size in sizes)
 
 
 def _cached(job: ForwardJob) -> int:
