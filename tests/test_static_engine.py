@@ -135,7 +135,8 @@ def test_the_server_captures_the_session_buckets_its_batches_may_use(tiny_target
     sessions = (1, 2, 4, 6) if at_start else (1,)
     assert sorted(set(made)) == [(s, t) for s in sessions for t in engine.buckets.tokens]
     assert len(made) == len(sessions) * per_session_bucket
-    line = f"capturing {len(made)} forward shapes ({'/'.join(map(str, sessions))} sessions x"
+    line = (f"capturing {len(made)} forward shapes (sessions {'/'.join(map(str, sessions))} x "
+            "tokens 1/3/5/9/17 x positions 256/400 x layer outputs none; ")
     assert line in capsys.readouterr().err
     captured = len(made)
     caches = [target.prefill(prompt)[0] for prompt in (PROMPT, [9, 8, 7], [1, 2, 3])]

@@ -99,12 +99,13 @@ class StaticEngine:
         most = b.sessions_for(sessions)
         shapes = [shape for shape in b.all if shape.sessions <= most]
         later = (f"forwards of {_listed(s for s in b.sessions if s > most)} sessions capture "
-                 "their shapes when they first come; " if most < b.sessions[-1] else "")
+                 "theirs when they first come; " if most < b.sessions[-1] else "")
+        layers = ", ".join(_listed(capture) if capture else "none" for capture in captures)
         print(f"static engine: capturing {len(shapes) * len(captures)} forward shapes "
-              f"({_listed(s for s in b.sessions if s <= most)} sessions x "
-              f"{_listed(b.tokens)} tokens x {_listed(b.contexts)} positions, "
-              f"{len(captures)} set(s) of layers captured; {later}prompt chunks past "
-              f"{b.tokens[-1]} tokens run eagerly) ...", file=sys.stderr, flush=True)
+              f"(sessions {_listed(s for s in b.sessions if s <= most)} x tokens "
+              f"{_listed(b.tokens)} x positions {_listed(b.contexts)} x layer outputs "
+              f"{layers}; {later}prompt chunks past {b.tokens[-1]} tokens run eagerly) ...",
+              file=sys.stderr, flush=True)
         for capture in captures:
             for shape in shapes:
                 self._graph(shape, capture)
