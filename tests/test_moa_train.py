@@ -23,6 +23,14 @@ PROMPTS = [[1, 40, 41, 42, 43], [1, 50, 51], [1, 60, 61, 62, 63, 64, 65, 66], [1
 SETTINGS = TrainSettings(steps=40, batch_tokens=128, lr=3e-3, warmup=5, checkpoint_every=1000)
 
 
+def assert_stored(loaded: torch.Tensor, trained: torch.Tensor) -> None:
+    """A matrix as saved and loaded again: int8 on disk, so each entry within half a step of
+    its row's scale (the row's largest magnitude over 127)."""
+    half_step = trained.detach().abs().amax(dim=1, keepdim=True) / 254  # [rows, 1]
+    assert loaded.dtype == torch.float32
+    assert ((loaded - trained.detach()).abs() <= half_step * 1.01).all()
+
+
 @pytest.fixture(scope="module")
 def samples(tiny_target) -> list[Sample]:
     answers = answer_batch(tiny_target, PROMPTS, max_new_tokens=24)
@@ -75,12 +83,11 @@ def test_resume_continues_exactly(tiny_target, samples, tmp_path):
     config, server, edge = load_drafter(tmp_path / "b", tiny_target.model)
     assert config.draft_vocab == 8 and edge.vocab_ids[0] == 2  # the stop token always in
     torch.testing.assert_close(edge.vocab_ids, resumed.edge.vocab_ids)
-    torch.testing.assert_close(server.proj.weight, resumed.server.proj.weight.half().float())
+    assert_stored(server.proj.weight, resumed.server.proj.weight)
     torch.testing.assert_close(edge.head, tiny_target.model.lm_head.weight[edge.vocab_ids])
     config, server, edge = load_drafter(tmp_path / "b" / INDEPENDENT, tiny_target.model)
     assert config.memory is Memory.EMBEDDINGS and server is None
-    torch.testing.assert_close(edge.ca.attn.q_proj.weight,
-                               resumed.students[1].edge.ca.attn.q_proj.weight.half().float())
+    assert_stored(edge.ca.attn.q_proj.weight, resumed.students[1].edge.ca.attn.q_proj.weight)
     with pytest.raises(ValueError, match="--independent"):
         Trainer(tiny_target.model, samples, replace(settings, independent=False),
                 tmp_path / "b", stop_ids=(2,)).load_checkpoint()
