@@ -2,13 +2,13 @@
 # Python 3.11. `make test` leaves out the tests marked slow (pyproject.toml); `make test-all`,
 # what CI runs, runs them all, then the tests whose drafters are trained at test time once more
 # on torch's default kernels (ATEN_CPU_CAPABILITY=default): a test that holds only on one CPU's
-# kernels fails there too.
+# kernels fails there too; then the GPU node's tests on the CPU's stand-in for CUDA.
 PYTHON ?= python3.11
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all install proto bench clean train-drafter bench-moa images
+.PHONY: demo test test-all install proto bench clean train-drafter bench-moa images gpu-rehearsal
 
 demo: $(STAMP)
 	PYTHONPATH=. $(PY) scripts/demo.py
@@ -20,10 +20,17 @@ test: $(STAMP)
 KERNEL_VARIANT_TESTS := tests/test_moa_split.py tests/test_falcon.py tests/test_moa_recurrent.py \
 	tests/test_moa_tli.py tests/test_resume_and_baselines.py tests/test_static_engine.py
 
+# The tests the GPU check runs on CUDA (scripts/gpu_check.sh), on the CPU's stand-in for it: the
+# tiny target through the static engine with every forward shape captured (rehearsed graphs).
+GPU_PATH_TESTS := tests/test_static_engine.py tests/test_target_tree_forward.py \
+	tests/test_batching.py tests/test_split_decoding_tiny.py tests/test_paced_tiny.py \
+	tests/test_split_sampling_tiny.py tests/test_target_families.py
+
 test-all: $(STAMP)
 	$(PY) -m mypy
 	$(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider $(KERNEL_VARIANT_TESTS)
+	SPLITDEC_TEST_DEVICE=cpu-graphs $(PY) -m pytest -q -p no:cacheprovider $(GPU_PATH_TESTS)
 
 install: $(STAMP)
 
@@ -57,3 +64,10 @@ bench-moa: $(STAMP)
 # answered through them (deploy/images.sh; docs/deploying.md).
 images:
 	deploy/images.sh
+
+# Opt-in, not in CI: the GPU check as the GPU machine runs it (scripts/gpu_check.sh), rehearsed
+# on the CPU: its kit (scripts/gpu_kit.sh, which prints the commands for the machine), then both
+# phases in a fresh clone by a venv of the machine's own packages (about 6 minutes).
+gpu-rehearsal: $(STAMP)
+	PYTHON=$(PY) scripts/gpu_kit.sh
+	scripts/gpu_rehearsal.sh

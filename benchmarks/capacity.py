@@ -38,7 +38,7 @@ import numpy as np
 from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, parse_cores, placement, python_module)
 from benchmarks.reliability import log, prompt_items, server_metrics
-from cloud_server.device import Device, EngineChoice, Precision, Weights
+from cloud_server.device import Device, EngineChoice, Graphs, Precision, Weights
 from shared.messages import Pace
 
 METHODS = ("split", "server-spec", "plain-api")
@@ -77,6 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the target's weights (cloud-server --weights)")
     p.add_argument("--engine", choices=[e.value for e in EngineChoice],
                    default=EngineChoice.AUTO.value, help="cloud-server --engine")
+    p.add_argument("--graphs", choices=[g.value for g in Graphs], default=Graphs.AUTO.value,
+                   help="cloud-server --cuda-graphs")
+    p.add_argument("--batch-graphs", choices=("first-use", "start"), default="first-use",
+                   help="cloud-server --batch-graphs (start: every batch's shapes captured "
+                        "before the server serves, none in a measured cell)")
     add_placement_args(p)
     p.add_argument("--client", help=argparse.SUPPRESS)  # internal: run as one client process
     return p.parse_args(argv)
@@ -145,6 +150,7 @@ class Cell:
 def server(kind: str, metrics_port: int, sessions: int, args: argparse.Namespace) -> Iterator[str]:
     with cloud_server("--quiet", "--model", args.model, "--device", args.device, "--dtype", args.dtype,
                       "--weights", args.weights, "--engine", args.engine,
+                      "--cuda-graphs", args.graphs, "--batch-graphs", args.batch_graphs,
                       "--metrics-port", str(metrics_port),
                       "--max-sessions", str(max(sessions, 4)), *SERVERS[kind][0],
                       cores=parse_cores(args.server_cores)) as address:

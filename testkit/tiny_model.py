@@ -37,11 +37,17 @@ def build_tiny_model(path: Path, seed: int = 0) -> Path:
     return save_sharpened(LlamaForCausalLM(config), path)
 
 
-def save_sharpened(model: PreTrainedModel, path: Path) -> Path:
-    """Writes `model`, its matrices scaled up, and the byte-level tokenizer to `path`."""
-    with torch.no_grad():  # larger weights give peaked, varied next-token distributions
+def sharpen(model: PreTrainedModel) -> PreTrainedModel:
+    """`model` with its matrices scaled up: larger weights give peaked, varied next-token
+    distributions, whose top two logits are rarely within rounding of each other."""
+    with torch.no_grad():
         for p in model.parameters():
             p.mul_(4.0) if p.dim() > 1 else None
-    model.save_pretrained(path)
+    return model
+
+
+def save_sharpened(model: PreTrainedModel, path: Path) -> Path:
+    """Writes `model`, sharpened, and the byte-level tokenizer to `path`."""
+    sharpen(model).save_pretrained(path)
     byte_tokenizer().save_pretrained(path)
     return path
