@@ -76,7 +76,15 @@ def cloud_server(*args: str, cores: frozenset[int] | None = None
                  ) -> contextlib.AbstractContextManager[str]:
     """A `cloud-server --port 0` process for the duration, on `cores` (None: any); yields
     HOST:PORT."""
-    return _listening("cloud_server.cli", ["--port", "0", *args], cores)
+    return module_server("cloud_server.cli", *args, cores=cores)
+
+
+def module_server(module: str, *args: str, cores: frozenset[int] | None = None
+                  ) -> contextlib.AbstractContextManager[str]:
+    """`python -m module --port 0 args`, a server that answers as cloud-server does (its first
+    line `listening on HOST:PORT`, SIGTERM to stop), for the duration, on `cores` (None: any);
+    yields HOST:PORT."""
+    return _listening(module, ["--port", "0", *args], cores)
 
 
 def netsim_proxy(target: str, profile: str, outages: Sequence[tuple[float, float]] = (),

@@ -31,6 +31,7 @@ from shared import prompt_sets as prompts
 from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machine,
                                markdown_table, netsim_proxy, parse_cores, placement)
 from edge_client.client import ClientOptions, EdgeClient
+from edge_client.drafter_source import DrafterPool
 from edge_client.reporting import GenerationResult, SilentListener
 from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from shared.messages import ChatMessage, OpenRequest, Pace
@@ -123,15 +124,18 @@ async def run_method(client: EdgeClient, method: str, request: OpenRequest) -> d
 
 @contextlib.asynccontextmanager
 async def method_clients(proxy: str, methods: list[str], drafter: str, max_new_tokens: int,
-                         warm_prompt: str) -> AsyncIterator[dict[str, EdgeClient]]:
+                         warm_prompt: str, drafters: DrafterPool | None = None
+                         ) -> AsyncIterator[dict[str, EdgeClient]]:
     """One client per method: what a user who runs only that method has, so nothing one
     method's generations leave behind (the edge's rest, which a client carries to its next
     generation) reaches another's. (gRPC shares one connection among them.) A fresh channel's
     first server stream arrives in bursts (seen here: 200 ms apart, then smooth): one short
-    run of each method first keeps that out."""
+    run of each method first keeps that out. `drafters`: lent to the split clients in place
+    of `drafter` (EdgeClient's)."""
     async with contextlib.AsyncExitStack() as stack:
         clients = {m: await stack.enter_async_context(
-            EdgeClient(proxy, ClientOptions(drafter, None, max_new_tokens))) for m in methods}
+            EdgeClient(proxy, ClientOptions(drafter, None, max_new_tokens), drafters=drafters))
+            for m in methods}
         warm = OpenRequest(chat=(ChatMessage("user", warm_prompt),), max_new_tokens=4)
         for method, client in clients.items():
             await run_method(client, method, warm)

@@ -62,8 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def server_pid() -> int:
-    """The cloud-server process this one started."""
+def server_pid(module: str = "cloud_server.cli") -> int:
+    """The server process this one started: a cloud-server, or `python -m module`."""
     me = str(os.getpid())
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -73,9 +73,9 @@ def server_pid() -> int:
             command = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if parent == me and b"cloud_server.cli" in command:
+        if parent == me and module.encode() in command:
             return int(entry.name)
-    raise RuntimeError("no cloud-server child process found")
+    raise RuntimeError(f"no {module} child process found")
 
 
 def thread_cpu(pid: int) -> Counter:
