@@ -175,14 +175,16 @@ def stacked_bars(path: Path, labels: Sequence[str], parts: dict[str, list[float]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(labels)), 4.5))
+    many = len(parts) > 10  # past the default cycle's colours: 20 of them, the legend aside
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(labels)) + 4 * many, 4.5))
+    colors = plt.get_cmap("tab20").colors if many else [None] * len(parts)
     bottom = [0.0] * len(labels)
-    for part, values in parts.items():
-        ax.bar(labels, values, bottom=bottom, label=part)
+    for (part, values), color in zip(parts.items(), colors):
+        ax.bar(labels, values, bottom=bottom, label=part, color=color)
         bottom = [b + v for b, v in zip(bottom, values)]
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.tick_params(axis="x", labelsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, **(dict(bbox_to_anchor=(1.01, 1), loc="upper left") if many else {}))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
