@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import numpy as np
 import torch
@@ -74,22 +74,26 @@ class TargetModel:
              onednn: bool = True, precision: Precision | str = Precision.FP32,
              weights: Weights | str = Weights.FP32, gguf: Path | None = None,
              engine: EngineChoice | str = EngineChoice.AUTO, graphs: Graphs | str = Graphs.AUTO,
-             limits: Limits = Limits()) -> "TargetModel":
+             limits: Limits = Limits(), ranks: int = 1,
+             on_rank_lost: Callable[[str], None] | None = None) -> "TargetModel":
         """`device`, `precision`, `weights`, `engine` and `graphs` may be given as text
         ("cpu", "bf16", "q4", "static", "off"); `onednn`: on the CPU, run fp32 linear layers
         through oneDNN (cpu_kernels.py). `gguf`: the file the checkpoint was converted from,
         whose 4-bit blocks `weights` q4 runs as they ship. `limits` size the static engine's
         KV slots. fp32 by default here (the tests' equivalence is exact only there);
-        `cloud-server --dtype` defaults to auto."""
+        `cloud-server --dtype` defaults to auto. `ranks` > 1: split over that many ranks
+        (`--tensor-parallel`; the loaded modules stay on the CPU, for what reads them beside
+        the engine), `on_rank_lost` told if one goes (engine/ranks.py)."""
         dev = pick_device(Device(device))
         dtype = pick_dtype(Precision(precision), dev, path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         # transformers wraps PreTrainedModel.to in a decorator whose stub loses the signature
-        model = model.to(dev).eval()  # type: ignore[arg-type]
+        model = model.to(dev if ranks == 1 else "cpu").eval()  # type: ignore[arg-type]
         tokenizer = AutoTokenizer.from_pretrained(path)
         try:
             chosen = pick_engine(model, dev, Weights(weights), EngineChoice(engine),
-                                 Graphs(graphs), slot_plan(limits), gguf, onednn)
+                                 Graphs(graphs), slot_plan(limits), gguf, onednn, ranks,
+                                 on_rank_lost)
         except ValueError as err:
             raise ValueError(f"{model_id}: {err}") from None
         target = cls(model, tokenizer, model_id, dev, chosen)

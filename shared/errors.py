@@ -29,3 +29,8 @@ class NotFound(SplitDecodingError):
 class Forbidden(SplitDecodingError):
     """A caller asking for what belongs to another, such as a session it did not open
     (PERMISSION_DENIED)."""
+
+
+class Unavailable(SplitDecodingError):
+    """The server cannot run the target any more, such as when a rank of a tensor-parallel
+    target is gone; it is stopping (UNAVAILABLE)."""

@@ -83,8 +83,14 @@ class SlotPool:
     def keep_path(self, cache: SlotCache, base: int, accepted_nodes: tuple[int, ...]) -> None:
         """Engine.keep_path: accepted entries base + 1 + i move to base + 1, base + 2, ..."""
         new_len = base + 1 + len(accepted_nodes)
-        if accepted_nodes and list(accepted_nodes) != list(range(len(accepted_nodes))):
+        if moves(accepted_nodes):
             src = torch.tensor([base + 1 + i for i in accepted_nodes], device=self.kv.device)
             row = self.kv[:, :, cache.slot]  # [2, layers, kv_heads, positions, head_dim]
             row[:, :, :, base + 1: new_len] = row.index_select(3, src)
         cache.length = new_len
+
+
+def moves(accepted_nodes: tuple[int, ...]) -> bool:
+    """Whether compacting to this path moves entries: not when it is the tree's first nodes
+    in order (a chain accepted from its start), which are in place already."""
+    return list(accepted_nodes) != list(range(len(accepted_nodes)))

@@ -54,15 +54,16 @@ class StaticEngine:
 
     def __init__(self, model: Any, device: torch.device, plan: SlotPlan,
                  graphs: type[Replay] | type[Rehearsal] | None, pad: bool | None = None,
-                 buckets: Buckets | None = None):
+                 buckets: Buckets | None = None, net: StaticLlama | None = None):
         """`graphs`: Replay (CUDA graphs), Rehearsal (their contract on the CPU, tests) or
         None (eager). `pad`: pad forwards to the buckets (default: with graphs). `buckets`:
-        the forward shapes (default: the server's, for `plan`)."""
-        self.model = model
-        self.net = StaticLlama.of(model)
+        the forward shapes (default: the server's, for `plan`). `net`: the math over
+        `model`'s weights (default: all of them; a rank's shard under tensor parallelism),
+        whose heads the KV slots hold."""
+        self.config = config = model.config
+        self.net = net or StaticLlama.of(model)
         self.device = device
         self.plan = plan
-        config = model.config
         self.pool = SlotPool(config.num_hidden_layers, self.net.kv_heads, self.net.head_dim,
                              plan.sessions, plan.positions, self.net.dtype, device)
         self.buckets = buckets or Buckets.up_to(plan.most_tree_nodes, plan.positions,
@@ -81,7 +82,7 @@ class StaticEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_elements_per_token(self.model.config) * self.pool.kv.element_size()
+        return kv_elements_per_token(self.config) * self.pool.kv.element_size()
 
     def new_cache(self, most_positions: int | None = None) -> SlotCache:
         return self.pool.take(most_positions)

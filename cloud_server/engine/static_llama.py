@@ -15,7 +15,7 @@ model is held once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,8 @@ class Layer:
 
 @dataclass(frozen=True)
 class StaticLlama:
-    """The weights and shape of one model; `forward` is the math."""
+    """The weights and shape of one model, or of one rank's shard of it (tensor_parallel.py:
+    `heads` and `kv_heads` are the heads it holds); `forward` is the math."""
 
     embed: torch.Tensor  # [vocab, width]
     layers: tuple[Layer, ...]
@@ -81,6 +82,9 @@ class StaticLlama:
     kv_heads: int
     head_dim: int
     scale: float
+    # Sums a row-parallel layer's partial outputs over the ranks in place (tensor_parallel.py);
+    # on one device the output is whole already
+    reduce: Callable[[torch.Tensor], torch.Tensor] = lambda whole: whole
 
     @classmethod
     def of(cls, model: Any) -> "StaticLlama":
@@ -120,11 +124,11 @@ class StaticLlama:
         bias = self._mask(tree, cached, ctx)  # [S, 1, T, ctx]
         kept = []
         for i, layer in enumerate(self.layers):
-            x = x + self._attend(layer, _rms(x, layer.attn_norm, self.eps).view(S, T, -1), cos,
-                                 sin, kv[0, i], kv[1, i], write_slot, write_at, read_slot, bias,
-                                 ctx)
+            x = x + self.reduce(self._attend(
+                layer, _rms(x, layer.attn_norm, self.eps).view(S, T, -1), cos, sin, kv[0, i],
+                kv[1, i], write_slot, write_at, read_slot, bias, ctx))
             gate, up = layer.gate_up(_rms(x, layer.mlp_norm, self.eps)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + self.reduce(layer.down(F.silu(gate) * up))
             if i in capture:
                 kept.append(x)
         final = _rms(x, self.norm, self.eps)

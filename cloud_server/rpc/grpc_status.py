@@ -14,7 +14,7 @@ import grpc
 from cloud_server.rpc.client_stream import StreamBroken
 from cloud_server.rpc.metrics import Metrics
 from shared.errors import (
-    Forbidden, InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError,
+    Forbidden, InvalidRequest, NotFound, OutOfOrder, Overloaded, SplitDecodingError, Unavailable,
 )
 
 log = logging.getLogger(__name__)
@@ -24,6 +24,7 @@ STATUS_OF = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
     NotFound: grpc.StatusCode.NOT_FOUND,
     Forbidden: grpc.StatusCode.PERMISSION_DENIED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
 }
 
 
