@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
+from typing import Callable
 
 from cloud_server.decoding.batching import DEFAULT_MAX_TOKENS
 from cloud_server.config import PacingPolicy, ServerConfig
@@ -15,6 +17,7 @@ from shared.drafting import SERVER_DRAFTERS
 from cloud_server.device import Device, EngineChoice, Graphs, Precision, Weights
 from shared import progress
 from shared.drafting.base import DrafterName
+from shared.errors import SplitDecodingError
 from shared.messages import Limits, Pace
 
 # What the `cloud` extra installs (pyproject.toml): an edge-only install has none of these.
@@ -56,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "captured at startup; auto (default): on when the target is on CUDA; "
                         "rehearse: the engine a GPU picks, padded to the same shapes, each "
                         "run eagerly under the graphs' contract (a GPU's forwards on a CPU)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (processes: one a GPU on CUDA, a share "
+                        "of the cores on the CPU) as Megatron-LM does, on the static engine; "
+                        "this process is rank 0 and serves. N must divide the model's "
+                        "attention and KV heads (docs/usage.md, --tensor-parallel); default 1")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
     p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
@@ -117,6 +125,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--lead must be between 1 and --max-lead ({args.max_lead})")
     if args.batch_tokens < 0:
         p.error("--batch-tokens must be 0 (no batching) or more")
+    if args.tensor_parallel < 1:
+        p.error("--tensor-parallel must be 1 or more")
     return args
 
 
@@ -156,6 +166,7 @@ def run(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.quiet:
         progress.set_quiet()
+    lost_rank = LostRank()
     try:
         from cloud_server import model_store
         from cloud_server.model_thread import ModelThread
@@ -169,6 +180,13 @@ def run(argv: list[str]) -> int:
         security = Security.from_files(args.tls_cert, args.tls_key, args.auth_token_file,
                                        args.tls_client_ca)
         path, model_id = model_store.resolve(args.model)
+        if args.tensor_parallel > 1:
+            from cloud_server.target import ranks_unfit
+
+            unfit = ranks_unfit(path, args.tensor_parallel, Device(args.device))
+            if unfit is not None:
+                print(f"cloud-server: error: {model_id}: {unfit}", file=sys.stderr)
+                return 2
         drafter_dir = find_drafter(args.drafter_dir, model_id)
         print(f"loading {model_id} ...", file=sys.stderr, flush=True)
         model_thread = ModelThread()
@@ -176,7 +194,7 @@ def run(argv: list[str]) -> int:
                                    args.cpu_linear == "onednn", Precision(args.dtype),
                                    Weights(args.weights), model_store.gguf_of(args.model),
                                    EngineChoice(args.engine), Graphs(args.cuda_graphs),
-                                   limits_from(args))
+                                   limits_from(args), args.tensor_parallel, lost_rank.lost)
         config = ServerConfig(limits_from(args), drafter_dir, pacing_from(args),
                               args.kv_budget_mb * 2**20, args.batch_tokens,
                               args.batch_graphs == "start")
@@ -190,11 +208,39 @@ def run(argv: list[str]) -> int:
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)
             print(f"metrics on http://{args.host}:{bound}/metrics", file=sys.stderr, flush=True)
-        asyncio.run(serve(service, args.host, args.port, security))
-    except (OSError, RuntimeError, ValueError) as err:
+        asyncio.run(serve(service, args.host, args.port, security, lost_rank.stop_with))
+    except (OSError, RuntimeError, ValueError, SplitDecodingError) as err:
         print(f"cloud-server: error: {err}", file=sys.stderr)
         return 1
+    if lost_rank.why is not None:
+        print(f"cloud-server: error: {lost_rank.why}", file=sys.stderr)
+        return 1
     return 0
+
+
+class LostRank:
+    """A tensor-parallel target's lost rank (engine/ranks.py) stops the server as SIGTERM
+    does, once it serves (before, the startup's forwards fail with it), and makes it exit 1
+    naming the rank: every session's next forward meanwhile ends it UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.why: str | None = None
+        self._stop: Callable[[], object] | None = None
+        self._lock = threading.Lock()
+
+    def lost(self, why: str) -> None:
+        """Told by the ranks' watcher or the model thread."""
+        with self._lock:
+            self.why, stop = why, self._stop
+        if stop is not None:
+            stop()
+
+    def stop_with(self, stop: Callable[[], object]) -> None:
+        """Handed the server's stop once it serves."""
+        with self._lock:
+            self._stop, why = stop, self.why
+        if why is not None:
+            stop()
 
 
 if __name__ == "__main__":

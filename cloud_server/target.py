@@ -23,6 +23,7 @@ from cloud_server.engine.choice import pick_engine
 from cloud_server.engine.interface import Engine, ForwardJob, Work
 from cloud_server.engine.session_mask import sliding_window
 from cloud_server.engine.static_engine import SlotPlan
+from cloud_server.engine.tensor_parallel import unfit
 from cloud_server.self_check import check_target
 from shared.errors import InvalidRequest
 from shared.messages import ChatMessage, Limits
@@ -39,6 +40,16 @@ def pick_device(device: Device) -> torch.device:
     if device is Device.CUDA and not torch.cuda.is_available():
         raise RuntimeError("--device cuda asked for, but torch sees no CUDA device")
     return torch.device(device.value)
+
+
+def ranks_unfit(path: str, ranks: int, device: Device) -> str | None:
+    """Why `ranks` cannot split the checkpoint at `path` on `device`, naming the counts that
+    can (engine/tensor_parallel.py); None when they can. Reads the config alone."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    on_cuda = pick_device(device).type == "cuda"
+    return unfit(config, ranks, torch.cuda.device_count() if on_cuda else None)
 
 
 def pick_dtype(precision: Precision, device: torch.device, path: str) -> torch.dtype:

@@ -164,7 +164,7 @@ class TensorParallelEngine:
         except SplitDecodingError:
             raise
         except Exception as err:
-            raise self.ranks.lose(f"a collective failed on rank 0 ({err})") from err
+            raise self.ranks.failed(err) from err
 
 
 class GatheredCache:

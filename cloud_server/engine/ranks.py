@@ -33,6 +33,7 @@ from shared.errors import Unavailable
 STARTUP_S = 600.0  # a rank loading its shard of a large checkpoint
 COLLECTIVE_S = 60.0  # one collective inside a forward: far above any forward's time
 STOP_S = 10.0  # a rank's exit once its pipe is closed
+REAP_S = 2.0  # how long a failed collective waits to see whether a rank exited
 LOAD_POLL_S = 0.2  # how often the start looks whether a loading rank said it is done
 LOOPBACK = "127.0.0.1"
 
@@ -155,6 +156,18 @@ class Ranks:
             if self._on_lost is not None:
                 self._on_lost(self.lost)  # type: ignore[arg-type]
         return Unavailable(self.lost or why)
+
+    def failed(self, err: Exception) -> Unavailable:
+        """A collective failed on rank 0: lost, by a rank that exited if one did (a peer's
+        closed connection shows before its exit does), else by `err` (a missed deadline)."""
+        deadline = time.monotonic() + REAP_S
+        for rank, proc in enumerate(self.procs, start=1):
+            try:
+                code = proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+            return self.lose(f"rank {rank} of {self.count} {_exit(code)}")
+        return self.lose(f"a collective failed on rank 0 ({err})")
 
     def stop(self) -> None:
         """Ends every rank: their pipes closed, each exits at once."""

@@ -1,7 +1,9 @@
 """Builds and runs the grpc.aio server: the service, the health service, graceful stop."""
 from __future__ import annotations
 
+import asyncio
 import sys
+from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -86,10 +88,15 @@ async def start(service: SplitDecodingService, host: str, port: int,
 
 
 async def serve(service: SplitDecodingService, host: str, port: int,
-                security: Security = Security()) -> None:
-    """Serves until SIGTERM or SIGINT, then stops taking work and drains for GRACE_S."""
+                security: Security = Security(),
+                stop_on: Callable[[Callable[[], object]], None] = lambda stop: None) -> None:
+    """Serves until SIGTERM or SIGINT, or until what `stop_on` is handed is called (from any
+    thread: a tensor-parallel target's lost rank), then stops taking work and drains for
+    GRACE_S."""
     server, bound, health_servicer = await start(service, host, port, security)
     stopping = stop_requested()
+    loop = asyncio.get_running_loop()
+    stop_on(lambda: loop.call_soon_threadsafe(stopping.set))
     print(f"listening on {host}:{bound}", flush=True)
     await stopping.wait()
     print("stopping: draining sessions", file=sys.stderr, flush=True)
