@@ -3,13 +3,19 @@ text's followers before the target has spoken, ranks learned from verdicts, and 
 handing every forward's top-k to the drafter."""
 from __future__ import annotations
 
+import heapq
+import itertools
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cloud_server.decoding.recycling import RecyclingDrafter
 from cloud_server.decoding.session import Session
 from edge_client.client import ClientOptions
 from shared.draft_q import Proposal
+from shared.drafting.trie import TokenTrie
 from shared.messages import Limits, OpenRequest
 from shared.tree import ROOT, DraftTree
 
@@ -91,3 +97,48 @@ def test_the_session_hands_every_forward_its_top_k(tiny_target) -> None:
 def test_the_edge_cannot_draft_with_recycling() -> None:
     with pytest.raises(ValueError, match="only the server runs it"):
         ClientOptions("recycle")
+
+
+def grown_by_full_heap(drafter: RecyclingDrafter, context: list[int], max_nodes: int
+                       ) -> TokenTrie:
+    """The definition: every expanded node pushes its whole successor list, ties to the
+    earlier push."""
+    rates = drafter.rank_rates()
+    trie, order, heap = TokenTrie(), itertools.count(), []
+
+    def push(parent: int, token: int, score: float, depth: int) -> None:
+        if depth < drafter.max_depth:
+            for rank, child in enumerate(drafter.successors(token)):
+                heapq.heappush(heap, (-score * rates[rank], next(order), parent, int(child),
+                                      depth + 1))
+
+    if context:
+        push(ROOT, context[-1], 1.0, 0)
+    while heap and len(trie) < max_nodes:
+        neg, _, parent, token, depth = heapq.heappop(heap)
+        push(trie.add(parent, token, -neg), token, -neg, depth)
+    return trie
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_trees_equal_the_full_heaps_on_random_tables(data: st.DataObject) -> None:
+    """Random tables, learned rates (not falling with rank, and tied, too), depths and
+    budgets: the lazy heap keeps the same nodes in the same order, and so the same q."""
+    vocab, top_k = 12, data.draw(st.integers(1, 4))
+    drafter = RecyclingDrafter(max_depth=data.draw(st.integers(1, 6)), top_k=top_k,
+                               lookup_nodes=0)
+    rows = {t: data.draw(st.permutations(range(vocab)))[:top_k]
+            for t in data.draw(st.sets(st.integers(0, vocab - 1)))}
+    if rows:
+        table(drafter, rows)
+    context = data.draw(st.lists(st.integers(0, vocab - 1), max_size=10))
+    drafter._index(context)
+    drafter._offered[:] = data.draw(st.lists(st.sampled_from([0, 1, 2, 4]), min_size=top_k,
+                                             max_size=top_k))
+    drafter._hits[:] = [data.draw(st.integers(0, int(n))) for n in drafter._offered]
+    max_nodes = data.draw(st.integers(0, 40))
+    full = grown_by_full_heap(drafter, context, max_nodes)
+    assert drafter.propose(context, max_nodes) == full.best_tree(max_nodes)
+    drawn = drafter.propose_sampled(context, max_nodes, np.random.default_rng(0))
+    assert drawn == full.sampled_tree(max_nodes, np.random.default_rng(0))

@@ -25,8 +25,7 @@ Only the server can run it: the edge never sees the target's logits.
 from __future__ import annotations
 
 import heapq
-import itertools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 
@@ -69,8 +68,8 @@ class RecyclingDrafter(TextDrafter):
     def recycle(self, inputs: Sequence[int], successors: np.ndarray) -> None:
         """A forward's inputs and the target's top-k at each: successors [len(inputs), k],
         best first. Later rows overwrite earlier ones, as the paper's table does."""
-        for token, row in zip(inputs, successors):
-            self._recycled[int(token)] = tuple(row[: self.top_k].tolist())
+        rows = successors[:, : self.top_k].tolist()  # one conversion for the forward's rows
+        self._recycled.update(zip(map(int, inputs), map(tuple, rows)))
 
     def successors(self, token: int) -> Sequence[int]:
         """The candidates after `token`, best first."""
@@ -84,14 +83,18 @@ class RecyclingDrafter(TextDrafter):
 
     def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree:
         tree = with_lookup(self._lookup, context, max_nodes, self.lookup_nodes,
-                           lambda room: self._trie(context, room).best_tree(room))
+                           lambda room: self._grown(context, room).tree())
         self._last = (tree, self._ranks(tree, context[-1] if context else None))
         return tree
 
     def propose_sampled(self, context: Sequence[int], max_nodes: int,
                         rng: np.random.Generator) -> Proposal:
         """Drafts drawn from q = each node's successors weighted by their rank's rate."""
-        return self._trie(context, max_nodes).sampled_tree(max_nodes, rng)
+        trie = TokenTrie()
+        grown = self._grown(context, max_nodes)
+        for token, parent, score in zip(grown.tokens, grown.parents, grown.scores):
+            trie.add(parent, token, score)
+        return trie.sampled_tree(max_nodes, rng)
 
     def observe(self, context: Sequence[int], tree: DraftTree, accepted_nodes: tuple[int, ...],
                 tokens: tuple[int, ...]) -> None:
@@ -106,26 +109,46 @@ class RecyclingDrafter(TextDrafter):
                 self._offered[ranks[node]] += 1
                 self._hits[ranks[node]] += node in reached
 
-    def _trie(self, context: Sequence[int], max_nodes: int) -> TokenTrie:
-        """At least the best `max_nodes` nodes grown from the last committed token."""
-        self._index(context)
-        rates = self.rank_rates()
-        trie = TokenTrie()
-        order = itertools.count()  # ties go to the earlier push
-        heap: list[tuple[float, int, int, int, int]] = []  # (-score, order, parent, token, depth)
+    def _grown(self, context: Sequence[int], max_nodes: int) -> "_Grown":
+        """The best `max_nodes` nodes grown from the last committed token, best first: a node's
+        score is its parent's times the rate of its rank, ties to the earlier expanded parent,
+        then the lower rank (the order of a heap holding every node's whole successor list).
 
-        def push(parent: int, token: int, score: float, depth: int) -> None:
-            if depth < self.max_depth:
-                for rank, child in enumerate(self.successors(token)):
-                    heapq.heappush(heap, (-score * rates[rank], next(order), parent, int(child),
-                                          depth + 1))
+        Rates are at most 1, so a parent's successors come out of the heap in the order of
+        their own scores, and the heap need hold only each expanded node's best successor not
+        yet taken: a taken successor puts its next sibling in. That pops the same nodes in the
+        same order with at most two pushes a node instead of top_k (the heap pushes were a
+        third of server-side speculation's Python at 16 sessions, host_paced_profile): 2.2x
+        to 2.7x faster for 16 to 128 nodes. A token's successors are distinct (a top-k, or
+        the text's followers without repeats), so no two grown nodes are one trie node."""
+        self._index(context)
+        rates = self.rank_rates().tolist()
+        monotone = all(a >= b for a, b in zip(rates, rates[1:]))
+        grown = _Grown()
+        # (-score, expansion, rank, place in the sibling order, siblings)
+        heap: list[tuple[float, int, int, int, _Siblings]] = []
+
+        def expand(parent: int, token: int, score: float, depth: int) -> None:
+            successors = self.successors(token) if depth < self.max_depth else ()
+            if not successors:
+                return
+            order = (range(len(successors)) if monotone
+                     else sorted(range(len(successors)), key=lambda r: (-score * rates[r], r)))
+            siblings = _Siblings(parent, depth + 1, successors, score, order, len(grown))
+            first = order[0]
+            heapq.heappush(heap, (-score * rates[first], siblings.expansion, first, 0, siblings))
 
         if context:
-            push(ROOT, context[-1], 1.0, 0)
-        while heap and len(trie) < max_nodes:
-            neg, _, parent, token, depth = heapq.heappop(heap)
-            push(trie.add(parent, token, -neg), token, -neg, depth)
-        return trie
+            expand(ROOT, context[-1], 1.0, 0)
+        while heap and len(grown) < max_nodes:
+            neg, expansion, rank, place, siblings = heapq.heappop(heap)
+            if place + 1 < len(siblings.order):
+                nxt = siblings.order[place + 1]
+                heapq.heappush(heap, (-siblings.score * rates[nxt], expansion, nxt, place + 1,
+                                      siblings))
+            token = int(siblings.successors[rank])
+            expand(grown.add(siblings.parent, token, -neg), token, -neg, siblings.depth)
+        return grown
 
     def _ranks(self, tree: DraftTree, last: int | None) -> tuple[int, ...]:
         """Each node's rank among its parent token's successors, as the table has them now
@@ -133,7 +156,7 @@ class RecyclingDrafter(TextDrafter):
         ranks = []
         for parent, token in zip(tree.parents, tree.tokens):
             above = last if parent == ROOT else tree.tokens[parent]
-            successors = [] if above is None else list(self.successors(above))
+            successors = () if above is None else self.successors(above)
             ranks.append(successors.index(token) if token in successors else NOT_A_SUCCESSOR)
         return tuple(ranks)
 
@@ -149,3 +172,36 @@ class RecyclingDrafter(TextDrafter):
             followers.insert(0, text[i])
             del followers[self.top_k:]
         self._indexed = len(text)
+
+
+class _Siblings(NamedTuple):
+    """The successors of one expanded node, in the order their scores put them (a tuple: one
+    is made for each node grown)."""
+
+    parent: int  # the node they hang under (ROOT: the committed text)
+    depth: int  # theirs, 1 for the first level
+    successors: Sequence[int]
+    score: float  # their parent's; a successor of rank r scores score * rates[r]
+    order: Sequence[int]  # ranks, best score first, ties to the lower rank
+    expansion: int  # how many nodes were grown before their parent was expanded
+
+
+class _Grown:
+    """The grown nodes in the order they were taken: parents before children, best first."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.scores: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        return len(self.tokens) - 1
+
+    def tree(self) -> DraftTree:
+        return DraftTree(tuple(self.tokens), tuple(self.parents))
