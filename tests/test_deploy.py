@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 DOCKERFILES = sorted((DEPLOY / "docker").glob("*.Dockerfile"))
 OVERLAYS = {"base": DEPLOY / "k8s" / "base", "gpu": DEPLOY / "k8s" / "overlays" / "gpu",
-            "gpu-tls": DEPLOY / "k8s" / "overlays" / "gpu-tls"}
+            "gpu-tls": DEPLOY / "k8s" / "overlays" / "gpu-tls",
+            "gpu-tp": DEPLOY / "k8s" / "overlays" / "gpu-tp"}
+COMPOSE_FILES = sorted(DEPLOY.glob("compose*.yaml"))
 PARSERS: dict[str, Callable[[list[str]], Any]] = {
     "cloud-server": server_cli.parse_args, "edge-client": edge_cli.parse_args,
     "netsim": netsim_cli.parse_args}
@@ -130,8 +132,9 @@ def substituted(args: list[str]) -> list[str]:
     return [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", a) for a in args]
 
 
-def test_compose_services_run_commands_that_exist_and_reach_each_other():
-    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_compose_services_run_commands_that_exist_and_reach_each_other(path):
+    compose = yaml.safe_load(path.read_text())
     services = compose["services"]
     built = {s["image"]: DEPLOY / s["build"]["context"] / s["build"]["dockerfile"]
              for s in services.values() if "build" in s}
@@ -151,10 +154,22 @@ def test_compose_services_run_commands_that_exist_and_reach_each_other():
         for dependency in service.get("depends_on", {}):
             assert dependency in services
     for name, (program, args) in parsed.items():
+        if program == "cloud-server":
+            assert_gpus_fit_ranks(services[name], args)
         address = getattr(args, "target", None) or getattr(args, "server", None)
         if program in ("netsim", "edge-client"):
             host, port = address.rsplit(":", 1)
             assert listens.get(host) == int(port), f"{name} dials {address}: nobody listens"
+
+
+def assert_gpus_fit_ranks(service: dict[str, Any], args: Any) -> None:
+    """A server over N ranks reserves N GPUs and shared memory beyond a container's 64 MB."""
+    devices = service.get("deploy", {}).get("resources", {}).get("reservations", {}).get(
+        "devices", [])
+    gpus = sum(d["count"] for d in devices if "gpu" in d["capabilities"])
+    assert gpus == (args.tensor_parallel if args.device == "cuda" else 0)
+    if args.tensor_parallel > 1:
+        assert service.get("ipc") == "host" or service["shm_size"].endswith("gb")
 
 
 # ---- Kubernetes
@@ -226,3 +241,8 @@ def test_manifests_match_the_server(overlay):
     assert args.device == tag == ("cuda" if overlay.startswith("gpu") else "cpu")
     assert any(f"-t {image}:{tag} ." in p.read_text() for p in DOCKERFILES), container["image"]
     assert ("nvidia.com/gpu" in container["resources"]["limits"]) == overlay.startswith("gpu")
+    if args.tensor_parallel > 1:  # a GPU a rank, and their shared memory in RAM
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == args.tensor_parallel
+        assert spec["volumes"][[v["name"] for v in spec["volumes"]].index(
+            mounts["/dev/shm"])]["emptyDir"]["medium"] == "Memory"
+        assert any(args.model.startswith(path + "/") for path in mounts), args.model
