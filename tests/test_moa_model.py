@@ -92,7 +92,7 @@ def test_tree_masked_queries_match_their_paths(tiny_target):
         k0, v0 = edge.sa_kv(ctx, torch.arange(base))
         k1, v1 = edge.sa_kv(nodes, node_pos)
         allowed = torch.cat((torch.ones(len(tree), base, dtype=torch.bool),
-                             torch.from_numpy(tree.ancestor_mask())), dim=1)
+                             torch.tensor(tree.ancestor_mask())), dim=1)
         got = edge.hidden(nodes, node_pos, torch.cat((k0, k1), 2), torch.cat((v0, v1), 2),
                           additive_mask(allowed)[None, None], *mem, None)[0]  # [n, width]
         for node in range(len(tree)):
