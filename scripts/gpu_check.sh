@@ -47,7 +47,7 @@ if [ "$device" = cpu ]; then
     clients=${CLIENTS:-1,2}; max_new=${MAX_NEW_TOKENS:-16}; sessions=1,2; tokens=1,9
     steps_size=(--context 32 --repeat 2)
     tau_size=(--per-set 1 --max-new-tokens 16 --drafters moa)
-    scale=4  # a step's limit bounds the GPU run; the CPU's forwards are many times slower
+    scale=6  # a step's limit bounds the GPU run; the CPU's forwards are many times slower
 else
     test_device=cuda; graphs=auto; dtype_steps=bf16
     clients=${CLIENTS:-1,4,16}; max_new=${MAX_NEW_TOKENS:-96}; sessions=1,4,16; tokens=1,9,17,65
