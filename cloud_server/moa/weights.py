@@ -64,9 +64,9 @@ def load_drafter(directory: Path,
 def _compact(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """A matrix as int8 with one fp32 scale per row (symmetric, the row's largest magnitude at
     127), half fp16's bytes, so the committed drafters fit the tree's size budget
-    (tests/test_tree_size.py); the target verifies every draft, so the rounding can cost tau,
-    never the text (results log, `moa_weights_int8`). Vectors fp16, index tensors (the
-    sub-vocabulary) as they are."""
+    (tests/test_tree_size.py); the target verifies every draft, so the rounding could cost tau
+    (none measured: results log, `moa_tau_weights_int8`), never the text. Vectors fp16, index
+    tensors (the sub-vocabulary) as they are."""
     tensor = tensor.detach().cpu()
     if not tensor.is_floating_point():
         return {name: tensor.contiguous()}
