@@ -100,10 +100,13 @@ def test_moa_split_greedy_equals_plain(moa_server, tiny_target, tiny_drafter_dir
             scale = np.abs(expected).max(axis=1, keepdims=True)  # [n, 1]
             assert (np.abs(got - expected) <= tolerance * scale + 1e-4).all(), start
     # Lock-step asks for a draft from every Verdict's rows: every position but the last
-    # token's was fed; paced, at least the prompt's, as the prefill's Verdict asked for a draft.
+    # token's was fed; paced, at least the prompt's once a Verdict asked for a draft (auto
+    # rests from the first Verdict where the Open's round trip outweighs the tiny target's
+    # step, as a loaded machine's can: then no rows cross)
     first = set().union(*(range(start, start + len(got)) for start, got in fed[0]))
     text = len(PROMPTS[0]) + len(results[0].output_ids)
-    assert first >= set(range(text - 1 if pace is Pace.LOCKSTEP else len(PROMPTS[0])))
+    if pace is Pace.LOCKSTEP or first:
+        assert first >= set(range(text - 1 if pace is Pace.LOCKSTEP else len(PROMPTS[0])))
     bundle = next(a for a in moa_server.service.info().artifacts
                   if a.kind is ArtifactKind.DRAFTER_BUNDLE)
     assert bundle_cache_dir(bundle.sha256).is_dir()  # fetched once, cached by sha256
