@@ -39,10 +39,8 @@ def build(shape_dir: Path, out: Path, seed: int = 0) -> Path:
     config = AutoConfig.from_pretrained(shape_dir)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    copy_shape(shape_dir, out)
     sharpen(model).save_pretrained(out)
-    for name in SHAPE_FILES[1:]:
-        if (shape_dir / name).is_file():
-            shutil.copy2(shape_dir / name, out / name)
     return out
 
 

@@ -39,15 +39,14 @@ def mask_by_node(tree: DraftTree) -> np.ndarray:
     return mask
 
 
-def subtree_by_node(tree: DraftTree, node: int) -> tuple[DraftTree, tuple[int, ...]]:
-    index, tokens, parents, nodes = {node: ROOT}, [], [], []
-    for i in range(node + 1, len(tree)):
-        if tree.parents[i] in index:
-            index[i] = len(tokens)
-            tokens.append(tree.tokens[i])
-            parents.append(index[tree.parents[i]])
-            nodes.append(i)
-    return DraftTree(tuple(tokens), tuple(parents)), tuple(nodes)
+def subtree_by_mask(tree: DraftTree, node: int) -> tuple[DraftTree, tuple[int, ...]]:
+    """subtree_nodes from the node-by-node ancestor mask: the node's descendants in order, each
+    a child of its parent there (ROOT's: the whole tree)."""
+    mask = mask_by_node(tree)
+    nodes = tuple(i for i in range(len(tree)) if node == ROOT or (i != node and mask[i, node]))
+    parents = tuple(ROOT if tree.parents[i] == node else nodes.index(tree.parents[i])
+                    for i in nodes)
+    return DraftTree(tuple(tree.tokens[i] for i in nodes), parents), nodes
 
 
 @settings(max_examples=300, deadline=None)
@@ -73,7 +72,7 @@ def test_walk_and_subtree_equal_the_node_by_node_definition(tree: DraftTree, dat
         path.append(node := child[(node, token)])
     assert tree.walk(tokens) == path
     node = data.draw(st.integers(ROOT, len(tree) - 1))
-    assert tree.subtree_nodes(node) == subtree_by_node(tree, node)
+    assert tree.subtree_nodes(node) == subtree_by_mask(tree, node)
 
 
 @settings(max_examples=200, deadline=None)
