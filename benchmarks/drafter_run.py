@@ -162,8 +162,7 @@ def train(target, sizes: Sizes, out: Path) -> dict:
 def bundle(target, out: Path) -> dict:
     from cloud_server.moa.bundle import build_bundle
 
-    built = build_bundle(out, target.model, target.model_id, out / "bundles",
-                         target.tokenizer_json())
+    built = build_bundle(out, target.model, target.model_id, out / "bundles")
     return {"bundle": built.name}
 
 

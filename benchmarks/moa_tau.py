@@ -16,7 +16,8 @@ step: edge_client/drafters/falcon.py); any trained entry with +lookup merges pro
 into its trees, with +graphs merges repeated tokens into draft graphs (GSD), and with +race
 ranks children by the session's race under --acceptance exponential-race (ERSD), and with +cddt
 drafts the static tree designed for it (benchmarks/tree_design.py) instead of EAGLE-2's
-dynamic tree.
+dynamic tree; @int8 (or another precision) after it runs those graphs instead of --precision's,
+so `moa@int8,moa@mixed` sets two precisions side by side.
 
     python -m benchmarks.moa_tau [--drafter DIR] [--drafters pld,moa,independent] [--per-set 6]
 """
@@ -26,7 +27,7 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -95,7 +96,7 @@ SUFFIXES = {LOOKUP[1:], GRAPHS[1:], RACE[1:], CDDT[1:]}
 @dataclass(frozen=True)
 class Entry:
     """One trained drafter of --drafters: LABEL=DIR or a name, then any of +lookup, +graphs,
-    +race and +cddt."""
+    +race and +cddt, then @PRECISION."""
 
     name: str  # the label in the tables, with its suffixes
     directory: Path
@@ -103,9 +104,22 @@ class Entry:
     graphs: bool
     race: bool
     cddt: bool = False
+    precision: Precision | None = None  # None: --precision
 
     @classmethod
     def parse(cls, text: str, drafter: Path) -> "Entry":
+        head, _, precision = text.partition("@")
+        entry = cls._parse(head, drafter)
+        if not precision:
+            return entry
+        try:
+            return replace(entry, name=text, precision=Precision(precision))
+        except ValueError:
+            raise ValueError(f"{text}: the precisions are "
+                             f"{', '.join(p.value for p in Precision)}") from None
+
+    @classmethod
+    def _parse(cls, text: str, drafter: Path) -> "Entry":
         base, *suffixes = text.split("+")
         label, _, path = base.partition("=")
         directory = Path(path) if path else drafter if label == "moa" else drafter / label
@@ -141,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-depth", type=int, default=8)
     p.add_argument("--lookup-nodes", type=int, default=16,
                    help="prompt-lookup nodes merged into moa+lookup trees")
-    p.add_argument("--precision", type=Precision, choices=list(Precision), default=Precision.INT8,
+    p.add_argument("--precision", type=Precision, choices=list(Precision), default=Precision.MIXED,
                    help="the edge graphs' weights")
     p.add_argument("--activations", choices=("fp16", "int8"), default="fp16",
                    help="the activations' wire encoding, applied as a round trip")
@@ -174,7 +188,8 @@ class Contender:
     drafter: Drafter
     server: Callable[..., np.ndarray] | None
     bundle: Path | None = None
-    bundle_mb: float = 0.0  # the graphs the edge runs (--precision)
+    precision: Precision | None = None  # of the graphs the edge runs
+    bundle_mb: float = 0.0  # those graphs' files
     step_calls: Callable[[], int] | None = None  # a trained drafter's step graph runs so far
     ranker: Callable[[], RaceRanker | None] | None = None  # a +race drafter's fit so far
     rounds: dict[str, list[int]] = field(default_factory=dict)  # set -> committed per round
@@ -222,18 +237,19 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
         if args.activations == "int8":
             server = Int8RoundTrip(server)
     bundle = build_bundle(entry.directory, target.model, target.model_id,
-                          cache_root() / "moa-bundles", target.tokenizer_json())
+                          cache_root() / "moa-bundles")
     manifest = load_manifest(bundle)
-    size = sum((bundle / manifest.graph(args.precision, g)).stat().st_size for g in Graph)
-    graphs = MoaGraphs(bundle, args.precision)
+    precision = entry.precision or args.precision
+    size = sum((bundle / manifest.graph(precision, g)).stat().st_size for g in Graph)
+    graphs = MoaGraphs(bundle, precision)
     tree = TREE_DRAFTERS[graphs.kind](graphs, TreeSearch(
         args.max_depth, merge=entry.graphs,
         choices=static_trees.load(entry.directory) if entry.cddt else None))
     race = RaceAware(tree, graphs.vocab) if entry.race else None
     ranked = tree if race is None else race
     drafter = LookupMerge(ranked, args.lookup_nodes, entry.graphs) if entry.lookup else ranked
-    return Contender(entry.name, drafter, server, bundle, size / 1e6, lambda: graphs.step_calls,
-                     (lambda: race.ranker) if race else None)
+    return Contender(entry.name, drafter, server, bundle, precision, size / 1e6,
+                     lambda: graphs.step_calls, (lambda: race.ranker) if race else None)
 
 
 def load_target(args: argparse.Namespace):
@@ -295,16 +311,18 @@ def _race_fits(tested: list[Contender]) -> str:
 
 def report(args: argparse.Namespace, target, tested: list[Contender]) -> dict:
     plain_ms = plain_step_ms(target)
-    header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round", "edge steps/round",
+    header = ("drafter", *evaluation.SETS, "mean tau", "draft ms/round", "draft ms/token",
+              "edge steps/round",
               "server half ms/round", "edge step ms (1/8 queries)", "bundle MB",
               "= plain greedy")
     rows, depth_rows, results = [], [], {}
     for c in tested:
         every = [n for rounds in c.rounds.values() for n in rounds]
-        steps = ((edge_step_ms(c.bundle, args.precision, 1),
-                  edge_step_ms(c.bundle, args.precision, 8)) if c.bundle else None)
+        steps = ((edge_step_ms(c.bundle, c.precision, 1),
+                  edge_step_ms(c.bundle, c.precision, 8)) if c.bundle and c.precision else None)
         rows.append((c.name, *(f"{_tau(c.rounds[s]):.2f}" for s in evaluation.SETS),
                      f"{_tau(every):.2f}", f"{1000 * c.draft_s / len(every):.1f}",
+                     f"{1000 * c.draft_s / sum(every):.2f}",
                      f"{c.step_calls() / len(every):.1f}" if c.step_calls else "-",
                      f"{1000 * c.server_s / len(every):.1f}" if c.server else "-",
                      f"{steps[0]:.2f} / {steps[1]:.2f}" if steps else "-",
@@ -316,6 +334,7 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> dict:
                            "mean_tau": _tau(every), "accepted_by_depth": accepted,
                            "edge_step_ms": steps, "bundle_mb": c.bundle_mb,
                            "draft_ms": 1000 * c.draft_s / len(every),
+                           "draft_ms_per_token": 1000 * c.draft_s / sum(every),
                            "edge_steps": c.step_calls() / len(every) if c.step_calls else None,
                            "lossless": [c.lossless, c.runs]}
     depth_header = ("drafter", *(f"d={d}" for d in range(1, args.max_depth + 1)))

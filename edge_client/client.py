@@ -1,6 +1,7 @@
 """What the CLI and batch mode share: connect, check the server, fetch the tokenizer, generate."""
 from __future__ import annotations
 
+import sys
 import time
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
@@ -20,6 +21,7 @@ from edge_client.server_only import SERVER_DRAFTER, Mode, server_generate
 from edge_client.tokenizer import load_tokenizer
 from shared import gc_freeze
 from shared.acceptance import AcceptanceMode
+from shared.drafter_bundle import BundleError
 from shared.drafting.base import DrafterName
 from shared.messages import (
     PROTOCOL_VERSION, ActivationFormat, ChatMessage, OpenRequest, Pace, ServerInfo,
@@ -129,12 +131,20 @@ class EdgeClient:
             drafter = resolve_drafter(self.options.drafter, self.info)
             # first the pool: it says what the server lacks ('auto' with no trained drafter
             # and tree designed) before the options would refuse the resolved name
-            self._drafters = await drafter_pool(drafter, self.link, self.info,
-                                                self.options.draft_graphs,
-                                                self.options.race_aware, self.options.tree)
+            try:
+                self._drafters = await self._pool(drafter)
+            except BundleError as err:  # the generation goes on, drafted as without a bundle
+                print(f"the {drafter} drafter cannot run here ({err}); drafting with "
+                      f"{DrafterName.PLD} instead", file=sys.stderr, flush=True)
+                drafter = DrafterName.PLD
+                self._drafters = await self._pool(drafter)
             self.options = replace(self.options, drafter=drafter)
         gc_freeze.freeze_loaded()  # the tokenizer and drafters: no pass walks them again
         return self
+
+    async def _pool(self, drafter: DrafterName) -> DrafterPool:
+        return await drafter_pool(drafter, self.link, self.info, self.options.draft_graphs,
+                                  self.options.race_aware, self.options.tree)
 
     async def __aexit__(self, *exc) -> None:
         await self.link.__aexit__(*exc)

@@ -22,7 +22,7 @@ from edge_client.drafters.trained import TREE_DRAFTERS, trained_drafter
 from edge_client.drafters.tree_search import TreeSearch
 from edge_client.link import LinkError, ServerLink
 from shared.acceptance import AcceptanceMode
-from shared.drafter_bundle import FALCON_ARTIFACT, MOA_ARTIFACT
+from shared.drafter_bundle import FALCON_ARTIFACT, MOA_ARTIFACT, BundleError
 from shared.messages import ArtifactInfo, ArtifactKind, ServerInfo
 
 FALLBACK = DrafterName.PLD  # what 'auto' drafts with when no trained drafter is offered
@@ -130,8 +130,19 @@ async def _trained_bundle(name: DrafterName, link: ServerLink, info: ServerInfo)
     bundle = offered[1]
     cached = bundle_cache_dir(bundle.sha256)
     if cached.is_dir():
-        return find_bundle(cached)
+        return for_target(find_bundle(cached), info)
     print(f"fetching the {name} drafter ({bundle.size_bytes / 1e6:.1f} MB) from "
           f"{link.address}; it is cached for next time", file=sys.stderr, flush=True)
     data = await link.fetch_artifact(bundle.name, bundle.sha256, bundle.size_bytes)
-    return install_bundle(data, bundle.sha256)
+    return for_target(install_bundle(data, bundle.sha256), info)
+
+
+def for_target(bundle_dir: Path, info: ServerInfo) -> Path:
+    """`bundle_dir`, if it was built for the server's target; BundleError if not (its
+    activations and token ids would mean something else)."""
+    built_for = load_manifest(bundle_dir).model_id
+    if built_for != info.model_id:
+        raise BundleError(f"the server's drafter bundle was built for {built_for}, not its "
+                          f"target {info.model_id}: its operator should serve a drafter "
+                          "trained for it")
+    return bundle_dir

@@ -47,7 +47,7 @@ class LinkConfig:
     # a CPU server is the slowest.
     round_timeout_s: float = 60.0
     # An artifact download's deadline: this, plus its announced size at `fetch_min_rate`
-    # (bytes/s): the 42 MB MoA bundle needs 168 s at 3G's 2 Mbit/s, more than any fixed
+    # (bytes/s): the 20 MB MoA bundle needs 80 s at 3G's 2 Mbit/s, more than any fixed
     # deadline that still catches a dead link on a small file.
     fetch_timeout_s: float = 120.0
     fetch_min_rate: float = 100_000.0

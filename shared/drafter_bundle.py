@@ -2,8 +2,8 @@
 edge reads (edge_client/drafters/moa_bundle.py, moa.py), named once.
 
 A bundle is one directory: `bundle.json` (the manifest below), the edge half's ONNX graphs in
-one or more precisions, the target's tokenizer, and the drafter's designed tree when it has
-one. Each graph keeps its K/V state outside: the memory graph turns verified rows into
+one or more precisions, and the drafter's designed tree when it has one (the edge fetches the
+target's tokenizer as an artifact of its own). Each graph keeps its K/V state outside: the memory graph turns verified rows into
 Cross-Attention keys and values, the step graph runs drafting queries against those and the
 Self-Attention cache. The manifest lists every file's sha256, so the hash of the manifest names
 the whole bundle.
@@ -25,12 +25,14 @@ BLOCK_FORMAT = 3
 # Target Layer Inference: the step graph's K/V state has more heads (config "tli_layers"); an
 # edge that predates it would size its state by kv_heads and fail at its first draft
 TLI_FORMAT = 4
-FORMATS = (BUNDLE_FORMAT, RECURRENT_FORMAT, BLOCK_FORMAT, TLI_FORMAT)
+# mixed-precision graphs (Precision.MIXED): an edge that predates them would look for int8
+# graphs the bundle no longer carries
+MIXED_FORMAT = 5
+FORMATS = (BUNDLE_FORMAT, RECURRENT_FORMAT, BLOCK_FORMAT, TLI_FORMAT, MIXED_FORMAT)
 MANIFEST_NAME = "bundle.json"
 # the names Info lists a bundle under: the edge picks its drafter by them before fetching
 MOA_ARTIFACT = "drafter-moa"
 FALCON_ARTIFACT = "drafter-falcon"
-TOKENIZER_NAME = "tokenizer.json"
 # a designed static tree's shape (edge_client/drafters/static_trees.py), in a drafter's directory
 # and its bundle: a file older edges ignore, so no new format
 CHOICES_FILE = "tree_choices.json"
@@ -43,6 +45,12 @@ class BundleError(ValueError):
 class Precision(Enum):
     FP32 = "fp32"
     INT8 = "int8"  # dynamic int8 (onnxruntime.quantization): a quarter of the bytes
+    # int8 draft rows and layers, 2-bit other embedding rows (cloud_server/moa/quantize_mixed.py)
+    MIXED = "mixed"
+
+
+# the graphs an edge runs, best first, of those a bundle offers
+EDGE_PREFERENCE = (Precision.MIXED, Precision.INT8, Precision.FP32)
 
 
 class Memory(Enum):
@@ -60,6 +68,7 @@ class Graph(Enum):
 GRAPH_FILES = {
     Precision.FP32: {Graph.MEMORY: "memory.onnx", Graph.STEP: "step.onnx"},
     Precision.INT8: {Graph.MEMORY: "memory.int8.onnx", Graph.STEP: "step.int8.onnx"},
+    Precision.MIXED: {Graph.MEMORY: "memory.mixed.onnx", Graph.STEP: "step.mixed.onnx"},
 }
 
 
@@ -149,6 +158,18 @@ class BundleManifest:
         """The name Info lists this bundle under."""
         return FALCON_ARTIFACT if self.block > 1 else MOA_ARTIFACT
 
+    @property
+    def preferred(self) -> Precision:
+        """The precision an edge runs by default: the first of EDGE_PREFERENCE offered."""
+        return next(p for p in EDGE_PREFERENCE if p in self.graphs)
+
+    @property
+    def format(self) -> int:
+        """The newest format whose feature the bundle uses: an edge that knows it knows all."""
+        return max((BUNDLE_FORMAT, RECURRENT_FORMAT * self.recurrent,
+                    BLOCK_FORMAT * (self.block > 1), TLI_FORMAT * bool(self.tli_layers),
+                    MIXED_FORMAT * (Precision.MIXED in self.graphs)))
+
     def graph(self, precision: Precision, graph: Graph) -> str:
         if precision not in self.graphs:
             offered = ", ".join(p.value for p in self.graphs)
@@ -156,10 +177,7 @@ class BundleManifest:
         return self.graphs[precision][graph]
 
     def to_json(self) -> str:
-        data = {"format": (TLI_FORMAT if self.tli_layers else
-                           BLOCK_FORMAT if self.block > 1 else
-                           RECURRENT_FORMAT if self.recurrent else BUNDLE_FORMAT),
-                "model_id": self.model_id, "top_k": self.top_k,
+        data = {"format": self.format, "model_id": self.model_id, "top_k": self.top_k,
                 "config": self.config, "files": self.files,
                 "graphs": {p.value: {g.value: name for g, name in files.items()}
                            for p, files in self.graphs.items()}}
@@ -178,6 +196,8 @@ class BundleManifest:
         try:
             graphs = {Precision(p): {Graph(g): name for g, name in files.items()}
                       for p, files in data["graphs"].items()}
+            if not graphs:
+                raise ValueError("it offers no graphs")
             return cls(data["model_id"], int(data["top_k"]), dict(data["config"]),
                        dict(data["files"]), graphs)
         except (KeyError, TypeError, AttributeError, ValueError) as err:

@@ -28,5 +28,5 @@ def train_tiny(target: Any, out: Path, steps: int, **settings: Any) -> Path:
 def fp32_bundle(target: Any, drafter_dir: Path, out: Path) -> Path:
     from cloud_server.moa.bundle import build_bundle
 
-    return build_bundle(drafter_dir, target.model, "tiny-llama", out, target.tokenizer_json(),
+    return build_bundle(drafter_dir, target.model, "tiny-llama", out,
                         precisions=(Precision.FP32,))

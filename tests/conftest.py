@@ -124,7 +124,7 @@ def tiny_bundle(tiny_target, tiny_drafter_dir: Path, tmp_path_factory: pytest.Te
     from cloud_server.moa.bundle import build_bundle
 
     return build_bundle(tiny_drafter_dir, tiny_target.model, "tiny-llama",
-                        tmp_path_factory.mktemp("bundles"), tiny_target.tokenizer_json())
+                        tmp_path_factory.mktemp("bundles"))
 
 
 @pytest.fixture(scope="session")
@@ -134,7 +134,7 @@ def tiny_independent_bundle(tiny_target, tiny_drafter_dir: Path,
     from cloud_server.training.moa import INDEPENDENT
 
     return build_bundle(tiny_drafter_dir / INDEPENDENT, tiny_target.model, "tiny-llama",
-                        tmp_path_factory.mktemp("independent"), tiny_target.tokenizer_json())
+                        tmp_path_factory.mktemp("independent"))
 
 
 @pytest.fixture(scope="session")

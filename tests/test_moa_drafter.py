@@ -185,7 +185,7 @@ def test_hidden_input_drafter_through_the_session(tiny_target, tiny_drafter_dir,
     server = ServerActivations.load(directory, tiny_target.model)
     assert server.hidden_layers
     bundle = build_bundle(directory, tiny_target.model, "tiny-llama",
-                          tmp_path_factory.mktemp(name), tiny_target.tokenizer_json())
+                          tmp_path_factory.mktemp(name))
     drafter = trained_drafter(bundle, DrafterName.MOA, TreeSearch(max_depth=6, beam=4, branch=4),
                               precision=Precision.FP32)
     request = OpenRequest(prompt_ids=tuple(PROMPT), max_new_tokens=32)

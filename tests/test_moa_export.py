@@ -1,5 +1,5 @@
-"""ONNX export of the MoA edge half: the graphs equal the torch modules, the int8 graphs stay
-close, and the bundle survives archive -> install with every sha256 checked."""
+"""ONNX export of the MoA edge half: the graphs equal the torch modules, the int8 and mixed
+graphs stay close, and the bundle survives archive -> install with every sha256 checked."""
 from __future__ import annotations
 
 import logging
@@ -14,14 +14,18 @@ from cloud_server.moa.export import MemoryGraph, StepGraph, example_inputs, quan
 from cloud_server.moa.weights import load_drafter
 from edge_client.drafters.moa_bundle import install_bundle, load_manifest, verify
 from shared.drafter_bundle import (
-    BundleError, BundleManifest, Graph, Memory, MemoryIO, Precision, StepIO,
+    MIXED_FORMAT, BundleError, BundleManifest, Graph, Memory, MemoryIO, Precision, StepIO,
 )
 
 
-def run_both(tiny_target, tiny_drafter_dir, tiny_bundle, precision: Precision):
+def run_both(tiny_target, tiny_drafter_dir, tiny_bundle, precision: Precision,
+             draft_ids: bool = False):
+    """`draft_ids`: the step's tokens from the draft vocabulary, as drafting's are."""
     torch.manual_seed(1)
     _, _, edge = load_drafter(tiny_drafter_dir, tiny_target.model)
     memory_args, step_args = example_inputs(edge)
+    if draft_ids:
+        step_args = (edge.vocab_ids[-len(step_args[0]):], *step_args[1:])
     manifest = load_manifest(tiny_bundle)
     with torch.no_grad():
         want = StepGraph(edge, manifest.top_k)(*step_args)
@@ -49,8 +53,12 @@ def test_fp32_memory_matches_torch(tiny_target, tiny_drafter_dir, tiny_bundle):
         np.testing.assert_allclose(g, w.numpy(), atol=1e-5, rtol=1e-4)
 
 
-def test_int8_step_stays_close(tiny_target, tiny_drafter_dir, tiny_bundle):
-    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, Precision.INT8)
+@pytest.mark.parametrize("precision", [Precision.INT8, Precision.MIXED])
+def test_quantized_step_stays_close(tiny_target, tiny_drafter_dir, tiny_bundle, precision):
+    """Mixed keeps 2 bits a weight for the rows outside the draft vocabulary: drafted tokens
+    come from inside it (tests/test_quantize_mixed.py checks both kinds of row)."""
+    want, got, _, _, _ = run_both(tiny_target, tiny_drafter_dir, tiny_bundle, precision,
+                                  draft_ids=precision is Precision.MIXED)
     logits, top_ids = want[0], want[2]
     assert np.abs(got[0] - logits).max() < 0.1 * np.abs(logits).max()
     assert (got[2][:, 0] == top_ids[:, 0]).mean() >= 0.5
@@ -68,8 +76,9 @@ def test_bundle_archive_installs_and_verifies(tiny_bundle, tmp_path, monkeypatch
     installed = install_bundle(data, sha)
     assert installed.name == tiny_bundle.name
     manifest = verify(installed)
-    assert {"step.onnx", "step.int8.onnx", "memory.onnx", "memory.int8.onnx",
-            "tokenizer.json"} <= set(manifest.files)
+    assert {"step.onnx", "step.int8.onnx", "step.mixed.onnx", "memory.onnx",
+            "memory.int8.onnx", "memory.mixed.onnx"} <= set(manifest.files)
+    assert "tokenizer.json" not in manifest.files  # the edge fetches it once, on its own
     (installed / "step.int8.onnx").write_bytes(b"corrupt")
     with pytest.raises(BundleError):
         verify(installed)
@@ -128,8 +137,9 @@ def test_manifest_round_trips_and_refuses_what_it_cannot_read(tiny_bundle):
     manifest = load_manifest(tiny_bundle)
     assert BundleManifest.from_json(manifest.to_json()) == manifest
     assert manifest.to_json() == (tiny_bundle / "bundle.json").read_text()  # what was hashed
-    newer = manifest.to_json().replace('"format": 1', '"format": 5')
-    with pytest.raises(BundleError, match=r"format 5 is not one of \(1, 2, 3, 4\)"):
+    assert manifest.format == MIXED_FORMAT  # it offers mixed-precision graphs
+    newer = manifest.to_json().replace(f'"format": {MIXED_FORMAT}', '"format": 6')
+    with pytest.raises(BundleError, match=r"format 6 is not one of \(1, 2, 3, 4, 5\)"):
         BundleManifest.from_json(newer)
     with pytest.raises(BundleError, match="malformed"):
         BundleManifest.from_json('{"format": 1, "graphs": {"fp64": {}}}')

@@ -340,3 +340,43 @@ def test_auto_has_no_sampling_rule_until_resolved():
             prompt_ids=PROMPTS[0])
     moa = ClientOptions("moa", sampling=SamplingParams(temperature=0.8))
     assert moa.open_request(prompt_ids=PROMPTS[0]).acceptance is AcceptanceMode.TOPK_DRAFTS
+
+
+def test_an_edge_that_cannot_run_the_bundle_drafts_with_prompt_lookup(moa_server, tiny_target,
+                                                                      tmp_path, monkeypatch,
+                                                                      capsys):
+    """An onnxruntime too old for the bundle's graphs: one line saying so and what to do, then
+    the generation goes on with prompt lookup, its text still the target's."""
+    import onnxruntime as ort
+
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+
+    def too_old(*args, **kwargs):
+        raise ort.capi.onnxruntime_pybind11_state.Fail("[ONNXRuntimeError] : 1 : FAIL : "
+                                                       "unknown operator\nsecond line")
+    monkeypatch.setattr(ort, "InferenceSession", too_old)
+
+    async def go():
+        async with EdgeClient(moa_server.address, ClientOptions("moa", 16, MAX_NEW)) as client:
+            result = await client.generate(client.options.open_request(prompt_ids=PROMPTS[0]))
+            return client.options.drafter, result
+
+    drafter, result = asyncio.run(go())
+    assert drafter is DrafterName.PLD
+    assert compare(tiny_target, PROMPTS[0], result.output_ids,
+                   plain_greedy(tiny_target, PROMPTS[0], MAX_NEW)).lossless
+    said = [line for line in capsys.readouterr().err.splitlines() if "cannot" in line]
+    assert len(said) == 1 and "update onnxruntime" in said[0] and "pld" in said[0], said
+
+
+def test_a_bundle_built_for_another_target_is_refused(moa_server, tiny_bundle):
+    """Its ids and activations would mean something else: one line, then prompt lookup."""
+    from dataclasses import replace
+
+    from edge_client.drafter_source import for_target
+    from shared.drafter_bundle import BundleError
+
+    info = moa_server.service.info()
+    assert for_target(tiny_bundle, info) == tiny_bundle
+    with pytest.raises(BundleError, match="built for tiny-llama, not its target other-model"):
+        for_target(tiny_bundle, replace(info, model_id="other-model"))

@@ -1,7 +1,7 @@
 """Serving a MoA drafter: its server half computes activations, its edge half goes out as a
 bundle artifact (docs/architecture.md, Drafters).
 
-The bundle (ONNX export + int8 quantization of the edge half with the target's embedding and
+The bundle (ONNX export + mixed-precision weights of the edge half with the target's embedding and
 head, and the drafter's designed tree if it has one) is built once per trained drafter and
 cached under the cache root, keyed by the sha256 of the drafter's files and the model id, so a
 restart serves the same bytes at once.
@@ -21,8 +21,8 @@ from cloud_server.target import TargetModel
 from shared.cache import cache_root
 from shared.drafter_bundle import CHOICES_FILE, MANIFEST_NAME, BundleManifest, Precision
 
-PRECISIONS = (Precision.INT8,)  # what the edge runs by default; fp32 would double the download
-EXPORT_REVISION = 2  # raise when export.py changes what it writes: cached bundles are rebuilt
+PRECISIONS = (Precision.MIXED,)  # what the edge runs; int8 would double the fetch (LOG bundle_mixed)
+EXPORT_REVISION = 3  # raise when export.py changes what it writes: cached bundles are rebuilt
 
 
 @dataclass
@@ -65,9 +65,9 @@ def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
     root = cache_root() / "bundles" / digest.hexdigest()[:24]
     built = sorted(root.glob("moa-*")) if root.is_dir() else []
     if not built:
-        print("building the drafter bundle (ONNX export, int8) ...", file=sys.stderr, flush=True)
+        print("building the drafter bundle (ONNX export, mixed precision) ...", file=sys.stderr, flush=True)
         built = [build_bundle(drafter_dir, target.model, target.model_id, root,
-                              target.tokenizer_json(), precisions=PRECISIONS)]
+                              precisions=PRECISIONS)]
     manifest = BundleManifest.from_json((built[0] / MANIFEST_NAME).read_text())
     return ServedDrafter(activations, config.width if activations else 0, archive(built[0]),
                          manifest.artifact)

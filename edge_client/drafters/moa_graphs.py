@@ -21,7 +21,7 @@ import numpy as np
 
 from edge_client.drafters.draft_trees import common_prefix
 from edge_client.drafters.moa_bundle import load_manifest
-from shared.drafter_bundle import Graph, Memory, MemoryIO, Precision, StepIO
+from shared.drafter_bundle import BundleError, Graph, Memory, MemoryIO, Precision, StepIO
 from shared.drafting.base import DrafterName
 
 
@@ -29,7 +29,7 @@ class MoaGraphs:
     """The memory and step graphs over one generation's K/V: the sessions are loaded once and
     shared by `sibling`s, each with state of its own."""
 
-    def __init__(self, bundle_dir: Path, precision: Precision = Precision.INT8,
+    def __init__(self, bundle_dir: Path, precision: Precision | None = None,
                  threads: int = 1) -> None:
         import onnxruntime as ort
 
@@ -47,10 +47,16 @@ class MoaGraphs:
         self.step_calls = 0  # step graph runs so far (benchmarks/moa_tau.py: steps per round)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        self._memory, self._step = (
-            ort.InferenceSession(str(bundle_dir / manifest.graph(precision, graph)), options,
-                                 providers=["CPUExecutionProvider"])
-            for graph in (Graph.MEMORY, Graph.STEP))
+        self.precision = precision or manifest.preferred
+        try:
+            self._memory, self._step = (
+                ort.InferenceSession(str(bundle_dir / manifest.graph(self.precision, graph)),
+                                     options, providers=["CPUExecutionProvider"])
+                for graph in (Graph.MEMORY, Graph.STEP))
+        except (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail) as err:
+            raise BundleError(f"onnxruntime {ort.__version__} cannot load the drafter's "
+                              f"{self.precision.value} graphs ({str(err).splitlines()[0]}): "
+                              "update onnxruntime") from None
         self.reset()
 
     @property
@@ -132,7 +138,11 @@ class MoaGraphs:
         inputs = (ids, positions, keys, values, allowed, self._mem_keys,
                   self._mem_values) + ((features,) if self.recurrent else ())
         self.step_calls += 1
-        return self._step.run(None, dict(zip(StepIO.inputs(self.recurrent), inputs)))
+        return self._step_run(dict(zip(StepIO.inputs(self.recurrent), inputs)))
+
+    def _step_run(self, feed: dict[str, np.ndarray | None]) -> list[np.ndarray]:
+        """The step graph on `feed` (benchmarks/bundle_fidelity.py records what it is fed)."""
+        return self._step.run(None, feed)
 
     def _remember(self, start: int, rows: np.ndarray) -> None:
         """Keeps memory positions < start and appends the K/V of `rows` after them."""

@@ -22,7 +22,7 @@ TREE_DRAFTERS: dict[DrafterName, type[TreeDrafter]] = {
 
 
 def trained_drafter(bundle_dir: Path, name: DrafterName, search: TreeSearch = TreeSearch(),
-                    race_aware: bool = False, precision: Precision = Precision.INT8,
+                    race_aware: bool = False, precision: Precision | None = None,
                     lookup_nodes: int = LOOKUP_NODES) -> PooledDrafter:
     """Drafter `name` from its bundle; BundleError if the bundle is the other's. `race_aware`:
     under exponential-race its children are ranked by the session's race (ERSD)."""
