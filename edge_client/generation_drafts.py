@@ -19,6 +19,7 @@ from edge_client.reporting import GenerationResult, Listener
 from shared.acceptance import AcceptanceMode
 from shared.draft_q import Proposal, point_masses
 from shared.drafting.aded import AdedDrafter
+from shared.drafting.pld import PromptLookupDrafter
 from shared.drafting.base import Drafter, ReadsActivations, reads_activations
 from shared.drafting.budget import TreeBudget
 from shared.messages import ActivationRows, Limits, Opened, Verdict
@@ -50,6 +51,7 @@ class GenerationDrafts:
         self._sent_at = 0.0  # when the last tree went (perf_counter)
         self.server_nodes = 0  # the size the latest Verdict gave the next draft (0: none)
         self._alone: Drafter | None = None  # offline, for a drafter that was sent no rows
+        self._lookup = PromptLookupDrafter()  # offline, first: the text's own continuation
 
     def opened(self, session: Opened) -> None:
         """The session's acceptance rule and seed, which sampled drafts follow."""
@@ -154,8 +156,8 @@ class GenerationDrafts:
         if policy.offline is OfflinePolicy.WAIT or room <= 0:
             return
         start = time.perf_counter()
-        new = await self.off_loop(draft_offline, self._offline_drafter(),
-                                  [*context, *self.offline], room)
+        new = await self.off_loop(draft_offline, (self._lookup, self._offline_drafter()),
+                                  [*context, *self.offline], room, len(context))
         self.result.draft_s += time.perf_counter() - start
         self.offline += new
         self.result.offline_tokens += len(new)
@@ -163,8 +165,10 @@ class GenerationDrafts:
             self.listener.unverified(new)
 
     def _offline_drafter(self) -> Drafter:
-        """The drafter, or where it reads rows and the server sent it none (a session that
-        rested from its first Verdict: rows cost a slow link more than its drafts earn), ADED's
+        """What drafts offline where prompt lookup finds nothing (LOG offline_text: the pair
+        writes text the target agrees with more, and loops less, than either alone): the
+        drafter, or where it reads rows and the server sent it none (a session that rested
+        from its first Verdict: rows cost a slow link more than its drafts earn), ADED's
         n-gram tables of the text, so that the edge still goes on alone."""
         if self.rows_held or not reads_activations(self.drafter):
             return self.drafter

@@ -1,19 +1,22 @@
 """What the edge does while the link is down: draft alone, pace reconnects, reconcile afterwards.
 
-Offline tokens are the drafter's best path, unverified. When the link is back they are sent as a
-chain; the edge keeps what the target agrees with and drops the rest (docs/architecture.md, Resume and offline mode), so the
-final text is exactly the target's. Knows the drafter, not gRPC.
+Offline tokens are the best path of prompt lookup where the text has a continuation to copy,
+else of the drafter, repeating no 4-gram of the offline text (LOG offline_text); unverified.
+When the link is back they are sent as a chain; the edge keeps what the target agrees with and
+drops the rest (docs/architecture.md, Resume and offline mode), so the final text is exactly
+the target's. Knows the drafters, not gRPC.
 """
 from __future__ import annotations
 
 import enum
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
-from shared.drafting.base import Drafter
+from shared.tree import ROOT, DraftTree
 
-OFFLINE_DRAFT_NODES = 16  # tree size asked of the drafter per offline step; only its best path is used
+OFFLINE_DRAFT_NODES = 16  # tree size asked of the drafter per offline step; one path is used
+NO_REPEAT = 4  # offline text repeats no n-gram of its own this long
 
 
 class OfflinePolicy(enum.Enum):
@@ -49,16 +52,48 @@ class Backoff:
         return self._rng.uniform(0.5 * cap, cap)
 
 
-def draft_offline(drafter: Drafter, context: Sequence[int], room: int) -> list[int]:
-    """Up to `room` tokens continuing `context`, the drafter's best path step after step; fewer
-    when the drafter has nothing more to offer."""
-    drafted: list[int] = []
-    while len(drafted) < room:
-        path = drafter.propose([*context, *drafted], OFFLINE_DRAFT_NODES).best_path()
+class Proposes(Protocol):
+    def propose(self, context: Sequence[int], max_nodes: int) -> DraftTree: ...
+
+
+def draft_offline(drafters: Sequence[Proposes], context: Sequence[int], room: int,
+                  offline_from: int | None = None) -> list[int]:
+    """Up to `room` tokens continuing `context`: step after step, the first of `drafters`
+    whose best path, taken so that it repeats no NO_REPEAT-gram of the offline text
+    (context[offline_from:], none by default), is not empty; fewer when none has more."""
+    start = len(context) if offline_from is None else offline_from
+    text = list(context)
+    seen = {tuple(text[i - NO_REPEAT + 1:i + 1])
+            for i in range(max(start, NO_REPEAT - 1), len(text))}
+    while len(text) - len(context) < room:
+        path = next((p for d in drafters if (p := fresh_path(
+            d.propose(text, OFFLINE_DRAFT_NODES), text[-(NO_REPEAT - 1):], seen))), [])
         if not path:
             break
-        drafted += path[: room - len(drafted)]
-    return drafted
+        text += path[: room - (len(text) - len(context))]
+    return text[len(context):]
+
+
+def fresh_path(tree: DraftTree, tail: Sequence[int], seen: set[tuple[int, ...]]) -> list[int]:
+    """The path through `tree` that takes each node's best child whose token completes no
+    n-gram in `seen` (n = NO_REPEAT; `tail`: the n - 1 tokens before the tree), adding the
+    n-grams it completes to `seen`. HF generate's no_repeat_ngram_size, over a drafter's
+    ranked children: a drafter left alone without the server's rows loops (LOG
+    offline_text), and the target's own text seldom repeats a 4-gram."""
+    path: list[int] = []
+    text, node = list(tail), ROOT
+    while True:
+        for child in tree.children(node):
+            gram = (*text[-(NO_REPEAT - 1):], tree.tokens[child])
+            if len(gram) < NO_REPEAT or gram not in seen:
+                break
+        else:
+            return path
+        if len(gram) == NO_REPEAT:
+            seen.add(gram)
+        node = child
+        path.append(tree.tokens[child])
+        text.append(tree.tokens[child])
 
 
 def reconcile(offline: list[int], committed: Sequence[int]) -> tuple[list[int], int]:

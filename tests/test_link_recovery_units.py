@@ -49,10 +49,30 @@ def test_offline_drafting_follows_the_best_path_up_to_the_room():
     drafter = PromptLookupDrafter()
     text = [1, 2, 3, 4, 5, 6, 1, 2, 3]
     drafter.reset(text)
-    assert draft_offline(drafter, text, 3) == [4, 5, 6]
-    # repetition keeps it going; the room caps it
-    assert len(draft_offline(drafter, text, 20)) == 20
-    assert draft_offline(drafter, [7, 8, 9], 5) == []  # nothing to look up: nothing drafted
+    assert draft_offline((drafter,), text, 3) == [4, 5, 6]
+    # the loop goes round once: the next token would repeat the 4-gram 1 2 3 4 it wrote
+    assert draft_offline((drafter,), text, 20) == [4, 5, 6, 1, 2, 3]
+    assert draft_offline((drafter,), [7, 8, 9], 5) == []  # nothing to look up: nothing drafted
+    # resumed mid-outage: what was written offline already counts, what was committed not
+    assert draft_offline((drafter,), [*text, 4, 5, 6], 20, offline_from=len(text)) == [1, 2, 3]
+    assert draft_offline((drafter,), [*text, 4, 5, 6], 20) == [1, 2, 3, 4, 5, 6]
+
+
+class Looping:
+    """A drafter whose best child always returns to the same token pair: 8 9 8 9 ..., with
+    7 second at every node."""
+
+    def propose(self, context, max_nodes: int) -> DraftTree:
+        best = 9 if context[-1] == 8 else 8
+        return DraftTree((best, 7), (-1, -1))
+
+
+def test_offline_text_takes_the_next_child_where_the_best_would_repeat():
+    drafted = draft_offline((Looping(),), [1, 2, 3], 8)
+    # 8 9 8 9 8, then 9 would repeat 8 9 8 9: 7, the second child, instead
+    assert drafted[:6] == [8, 9, 8, 9, 8, 7] and len(drafted) == 8
+    grams = [tuple(drafted[i:i + 4]) for i in range(len(drafted) - 3)]
+    assert len(grams) == len(set(grams))
 
 
 def test_backoff_grows_to_its_cap_with_jitter():
@@ -152,3 +172,21 @@ def test_server_accepts_the_edge_keepalive_pings():
     server = dict(server_options(Limits()))
     assert server["grpc.http2.min_ping_interval_without_data_ms"] < client["grpc.keepalive_time_ms"]
     assert client["grpc.keepalive_permit_without_calls"] == 1
+
+
+class Counting:
+    """A drafter that always continues with the next integer."""
+
+    def propose(self, context, max_nodes: int) -> DraftTree:
+        return DraftTree((context[-1] + 1,), (-1,))
+
+
+def test_offline_the_edge_copies_the_texts_own_continuation_first():
+    """Where prompt lookup finds one it takes it (LOG offline_text), the drafter elsewhere."""
+    import asyncio
+
+    drafts = GenerationDrafts(Counting(), TreeBudget([(1, 1.0)], 8), GenerationResult(),
+                              SilentListener(), Limits(), None)
+    text = [50, 1, 2, 3, 60, 1, 2]  # "1 2" came before, then 3
+    asyncio.run(drafts.draft_offline(text, 4, LinkPolicy()))
+    assert drafts.offline[:2] == [3, 60]  # copied, not counted on from 2
