@@ -65,14 +65,12 @@ def tied(tmp_path):
 
 
 def stored_table(embedding: np.ndarray) -> np.ndarray:
-    """The embedding as the graph holds it: draft rows int8, the others' codes to int8."""
+    """The embedding as the graph holds it: draft rows int8, the others in 2-bit codes."""
     table = np.empty_like(embedding)
     codes, scales = int8_rows(embedding[DRAFT_ROWS])
     table[DRAFT_ROWS] = codes * scales[:, None]
     cold = np.setdiff1d(np.arange(VOCAB), DRAFT_ROWS)
-    decoded = dequantize_blocks(*quantize_blocks(embedding[cold], COLD_BITS), COLD_BITS)
-    codes, scales = int8_rows(decoded)
-    table[cold] = codes * scales[:, None]
+    table[cold] = dequantize_blocks(*quantize_blocks(embedding[cold], COLD_BITS), COLD_BITS)
     return table
 
 
@@ -83,8 +81,8 @@ def test_graph_gathers_and_multiplies_the_stored_weights(tied, tmp_path):
     ids = np.array([[5, 90, 0, 95]])  # cold, draft, draft, cold
     x, logits, y = session.run(None, {"ids": ids})
     table = stored_table(embedding)
-    assert x.shape == (1, 4, WIDTH)
-    np.testing.assert_allclose(x, table[ids], rtol=1e-6, atol=1e-7)
+    assert x.shape == (1, 4, WIDTH)  # each row as stored (the 2-bit ones decoded in fp16)
+    np.testing.assert_allclose(x, table[ids], rtol=2 ** -10, atol=1e-7)
     # products: int8 weights, int8 activations (within 1% of the output's range)
     head = table[DRAFT_ROWS].T
     codes, scales = int8_rows(other.T)

@@ -7,8 +7,9 @@ token from outside it. So (LOG bundle_mixed):
 - the draft rows (the embedding's rows the head is made of, tied as in SmolLM2, or the draft
   vocabulary's rows of an untied head) in int8, one scale a row;
 - the embedding's other rows in COLD_BITS-bit codes, one fp16 scale per BLOCK weights
-  (absmax-based, the least-error of a few divisors), decoded once when onnxruntime loads the
-  graph (constant nodes it folds) into the same int8 table the step gathers from;
+  (absmax-based, the least-error of a few divisors), in the layout of onnxruntime's
+  GatherBlockQuantized (a contrib op), which decodes only the rows a step reads; each id is
+  gathered from the table that holds it (a decode at load instead took 1 GB to fold);
 - every other matrix (the drafter's own layers) in int8, one scale per output column:
   DynamicQuantizeMatMul, the int8 precision's kernel.
 Top-1 agreement with the fp32 graph by part, 4 bits everywhere against this: LOG bundle_mixed.
@@ -141,12 +142,13 @@ class _Rewrite:
         return self._float_matrix(node.input[1])
 
     def gather(self, node) -> None:
-        """Gather(table, ids) -> the int8 table (built at load) gathered and scaled by row."""
+        """Gather(table, ids) -> the draft rows' int8 gathered and scaled by row, the other
+        rows' codes gathered by GatherBlockQuantized, each id's from its own table."""
         from onnx import TensorProto, helper
 
         table = self.table_of(node)
         assert table is not None
-        name = node.input[0]
+        name, ids, out = node.input[0], node.input[1], node.output[0]
         draft = (np.arange(len(table)) if self.draft_rows is None
                  else np.asarray(self.draft_rows, np.int64))
         cold = np.setdiff1d(np.arange(len(table)), draft)
@@ -154,61 +156,46 @@ class _Rewrite:
         self.embedding = table
         self.head = (self._add(f"{name}_draft_int8", hot_codes),
                      self._add(f"{name}_draft_scales", hot_scales))
-        int8, scales = self.head
-        made: list = []
+        hot = f"{out}_draft" if len(cold) else out
+        made = self._draft_rows(name, ids, hot, draft, len(table))
         if len(cold):
-            cold_int8, cold_scales, made = self._cold_rows(name, table[cold])
-            order = np.empty(len(table), np.int64)  # vocab id -> its row in [draft; cold]
-            order[np.concatenate((draft, cold))] = np.arange(len(table))
-            self._add(f"{name}_order", order)
+            codes, scales = quantize_blocks(table[cold], COLD_BITS)
+            is_draft = np.zeros(len(table), bool)
+            is_draft[draft] = True
             made += [
-                helper.make_node("Concat", [int8, cold_int8], [f"{name}_joined"], axis=0),
-                helper.make_node("Gather", [f"{name}_joined", f"{name}_order"],
-                                 [f"{name}_int8"], axis=0),
-                helper.make_node("Concat", [scales, cold_scales], [f"{name}_joined_scales"],
-                                 axis=0),
-                helper.make_node("Gather", [f"{name}_joined_scales", f"{name}_order"],
-                                 [f"{name}_scales"], axis=0)]
-            int8, scales = f"{name}_int8", f"{name}_scales"
-        out = node.output[0]
-        made += [
-            helper.make_node("Gather", [int8, node.input[1]], [f"{out}_int8"], axis=0),
+                helper.make_node("Gather", [self._add(f"{name}_cold_slot", _slots(
+                    cold, len(table))), ids], [f"{out}_cold_slot"], axis=0),
+                helper.make_node("GatherBlockQuantized", [
+                    self._add(f"{name}_cold_codes", codes), f"{out}_cold_slot",
+                    self._add(f"{name}_cold_scales", scales)], [f"{out}_cold_f16"],
+                    name=f"{out}_cold", domain=MS_DOMAIN, gather_axis=0, quantize_axis=1,
+                    block_size=BLOCK, bits=COLD_BITS),
+                helper.make_node("Cast", [f"{out}_cold_f16"], [f"{out}_cold"],
+                                 to=TensorProto.FLOAT),
+                helper.make_node("Gather", [self._add(f"{name}_is_draft", is_draft), ids],
+                                 [f"{out}_is_draft"], axis=0),
+                helper.make_node("Unsqueeze", [f"{out}_is_draft", self._last_axis()],
+                                 [f"{out}_is_draft_x"]),
+                helper.make_node("Where", [f"{out}_is_draft_x", hot, f"{out}_cold"], [out])]
+        self._replace(node, made)
+
+    def _draft_rows(self, name: str, ids: str, out: str, draft: np.ndarray,
+                    vocab: int) -> list:
+        """Nodes gathering `ids`' rows of the draft rows' int8 into f32 `out` (an id outside
+        them gets the first, for the caller to discard)."""
+        from onnx import TensorProto, helper
+
+        assert self.head is not None
+        slot = f"{out}_slot"
+        return [
+            helper.make_node("Gather", [self._add(f"{name}_draft_slot", _slots(draft, vocab)),
+                                        ids], [slot], axis=0),
+            helper.make_node("Gather", [self.head[0], slot], [f"{out}_int8"], axis=0),
             helper.make_node("Cast", [f"{out}_int8"], [f"{out}_wide"], to=TensorProto.FLOAT),
-            helper.make_node("Gather", [scales, node.input[1]], [f"{out}_row_scales"], axis=0),
+            helper.make_node("Gather", [self.head[1], slot], [f"{out}_row_scales"], axis=0),
             helper.make_node("Unsqueeze", [f"{out}_row_scales", self._last_axis()],
                              [f"{out}_row_scales_x"]),
             helper.make_node("Mul", [f"{out}_wide", f"{out}_row_scales_x"], [out])]
-        self._replace(node, made)
-
-    def _cold_rows(self, name: str, rows: np.ndarray) -> tuple[str, str, list]:
-        """Stores `rows` in COLD_BITS-bit codes; the nodes (constants: folded at load) that
-        decode them into int8 rows and their scales."""
-        from onnx import TensorProto, helper
-
-        codes, block_scales = quantize_blocks(rows, COLD_BITS)
-        n = {s: f"{name}_cold_{s}" for s in ("bytes", "table", "shape", "unpacked", "blocks", "float",
-                                             "centred", "scales32", "scalesx", "scaled",
-                                             "flat_shape", "decoded")}
-        made = [  # Gather takes int32 or int64 indices: the bytes become those first
-            helper.make_node("Cast", [self._add(f"{name}_cold_codes", codes)], [n["bytes"]],
-                             to=TensorProto.INT32),
-            helper.make_node("Gather", [self._add(n["table"], _byte_table(COLD_BITS)),
-                                        n["bytes"]],
-                             [n["unpacked"]], axis=0),  # [r, K * bits / 8, 8 / bits]
-            helper.make_node("Reshape", [n["unpacked"], self._add(
-                n["shape"], np.array([len(rows), -1, BLOCK], np.int64))], [n["blocks"]]),
-            helper.make_node("Cast", [n["blocks"]], [n["float"]], to=TensorProto.FLOAT),
-            helper.make_node("Sub", [n["float"], self._add(
-                f"{name}_cold_zero", np.array(2.0 ** (COLD_BITS - 1), np.float32))],
-                [n["centred"]]),
-            helper.make_node("Cast", [self._add(f"{name}_cold_block_scales", block_scales)],
-                             [n["scales32"]], to=TensorProto.FLOAT),
-            helper.make_node("Unsqueeze", [n["scales32"], self._last_axis()], [n["scalesx"]]),
-            helper.make_node("Mul", [n["centred"], n["scalesx"]], [n["scaled"]]),
-            helper.make_node("Reshape", [n["scaled"], self._add(
-                n["flat_shape"], np.array([len(rows), -1], np.int64))], [n["decoded"]])]
-        made += _int8_by_row(n["decoded"], f"{name}_cold", self._last_axis())
-        return f"{name}_cold_int8", f"{name}_cold_int8_scales", made
 
     def matmul(self, node) -> None:
         """MatMul(x, W) -> DynamicQuantizeMatMul(x, int8 W, a scale per output column)."""
@@ -255,27 +242,8 @@ class _Rewrite:
             self.graph.initializer.remove(tensor)
 
 
-def _int8_by_row(decoded: str, base: str, last_axis: str) -> list:
-    """Nodes turning `decoded` [rows, K] f32 into `{base}_int8` [rows, K] and
-    `{base}_int8_scales` [rows]: int8_rows as constant nodes, folded at load."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    def constant(name: str, value: float):
-        return helper.make_node("Constant", [], [name], value=numpy_helper.from_array(
-            np.array(value, np.float32)))
-
-    n = {s: f"{base}_q8_{s}" for s in ("abs", "max", "floor", "limit", "lowest", "tiny",
-                                    "scalesx", "divided", "round", "clip")}
-    scales = f"{base}_int8_scales"
-    return [
-        constant(n["limit"], INT8_MAX), constant(n["lowest"], -INT8_MAX),
-        constant(n["tiny"], float(np.finfo(np.float32).tiny)),
-        helper.make_node("Abs", [decoded], [n["abs"]]),
-        helper.make_node("ReduceMax", [n["abs"]], [n["max"]], axes=[1], keepdims=0),
-        helper.make_node("Max", [n["max"], n["tiny"]], [n["floor"]]),
-        helper.make_node("Div", [n["floor"], n["limit"]], [scales]),  # [rows]
-        helper.make_node("Unsqueeze", [scales, last_axis], [n["scalesx"]]),
-        helper.make_node("Div", [decoded, n["scalesx"]], [n["divided"]]),
-        helper.make_node("Round", [n["divided"]], [n["round"]]),
-        helper.make_node("Clip", [n["round"], n["lowest"], n["limit"]], [n["clip"]]),
-        helper.make_node("Cast", [n["clip"]], [f"{base}_int8"], to=TensorProto.INT8)]
+def _slots(rows: np.ndarray, vocab: int) -> np.ndarray:
+    """[vocab] int32: each of `rows`' position among them, 0 for the other ids."""
+    slots = np.zeros(vocab, np.int32)
+    slots[rows] = np.arange(len(rows), dtype=np.int32)
+    return slots
