@@ -120,3 +120,23 @@ def test_a_final_norm_the_drafter_cannot_share_is_refused():
     """The edge half reproduces an RMSNorm (weight or 1 + weight), not a LayerNorm."""
     with pytest.raises(ValueError, match="LayerNorm is not an RMSNorm"):
         rms_weight(torch.nn.LayerNorm(8), 1e-6)
+
+
+def test_grouped_attention_equals_each_head_against_its_kv_head():
+    """Query heads stacked against their shared K/V head give what each head computes alone
+    against a copy of it (the textbook grouped-query attention), masks included."""
+    from cloud_server.moa.layers import Attention, Rotary
+    from testkit.copied_kv_attention import copied_kv_forward
+
+    torch.manual_seed(0)
+    attn = Attention(24, 24, 6, 2, 8, Rotary(8, 10000.0))  # 3 query heads per K/V head
+    x, source = torch.randn(2, 3, 24), torch.randn(2, 5, 24)
+    positions = torch.arange(5)
+    keys, values = attn.project_kv(source, positions)  # [2, 2, 5, 8]
+    allowed = torch.rand(2, 1, 3, 5) > 0.3
+    allowed[..., 0] = True
+    mask = additive_mask(allowed)
+    with torch.no_grad():
+        got = attn(x, positions[2:], keys, values, mask)
+        want = copied_kv_forward(attn, x, positions[2:], keys, values, mask)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

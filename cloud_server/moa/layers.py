@@ -74,15 +74,19 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
                 values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """x: [batch, n, width]; keys, values: [batch, kv_heads, m, hd];
-        mask: additive, broadcastable to [batch, heads, n, m] -> [batch, n, width]"""
+        mask: additive, [batch or 1, 1, n, m] (the same for every head) -> [batch, n, width]
+
+        The query heads that share a K/V head are stacked as rows against it (head
+        k * groups + j, as repeat_interleave would pair them), so the K/V are never copied per
+        head: on the edge that copy grew with the text (LOG edge_step_gqa)."""
         q = self.rotary(self._split(self.q_proj(x), self.heads), positions)  # [b, h, n, hd]
         groups = self.heads // self.kv_heads
-        keys = keys.repeat_interleave(groups, dim=1)  # [b, h, m, hd]
-        values = values.repeat_interleave(groups, dim=1)  # [b, h, m, hd]
-        scores = q @ keys.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, h, n, m]
+        b, _, n, hd = q.shape
+        q = q.reshape(b, self.kv_heads, groups * n, hd)  # [b, kvh, groups * n, hd]
+        scores = q @ keys.transpose(-1, -2) / math.sqrt(self.head_dim)  # [b, kvh, g * n, m]
         if mask is not None:
-            scores = scores + mask
-        out = scores.softmax(-1) @ values  # [b, h, n, hd]
+            scores = scores + mask.repeat(1, 1, groups, 1)
+        out = (scores.softmax(-1) @ values).reshape(b, self.heads, n, hd)  # [b, h, n, hd]
         return self.o_proj(out.transpose(1, 2).flatten(-2))  # [b, n, width]
 
 

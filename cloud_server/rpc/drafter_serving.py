@@ -22,7 +22,7 @@ from shared.cache import cache_root
 from shared.drafter_bundle import CHOICES_FILE, MANIFEST_NAME, BundleManifest, Precision
 
 PRECISIONS = (Precision.MIXED,)  # what the edge runs; int8 would double the fetch (LOG bundle_mixed)
-EXPORT_REVISION = 3  # raise when export.py changes what it writes: cached bundles are rebuilt
+EXPORT_REVISION = 4  # raise when export.py changes what it writes: cached bundles are rebuilt
 
 
 @dataclass
