@@ -133,7 +133,11 @@ async def _trained_bundle(name: DrafterName, link: ServerLink, info: ServerInfo)
         return for_target(find_bundle(cached), info)
     print(f"fetching the {name} drafter ({bundle.size_bytes / 1e6:.1f} MB) from "
           f"{link.address}; it is cached for next time", file=sys.stderr, flush=True)
-    data = await link.fetch_artifact(bundle.name, bundle.sha256, bundle.size_bytes)
+    try:
+        data = await link.fetch_artifact(bundle.name, bundle.sha256, bundle.size_bytes)
+    except LinkError as err:  # cut short, past its deadline: the text needs no drafter
+        raise BundleError(f"the drafter bundle did not arrive whole ({err}); it is fetched "
+                          "again next time") from None
     return for_target(install_bundle(data, bundle.sha256), info)
 
 

@@ -380,3 +380,32 @@ def test_a_bundle_built_for_another_target_is_refused(moa_server, tiny_bundle):
     assert for_target(tiny_bundle, info) == tiny_bundle
     with pytest.raises(BundleError, match="built for tiny-llama, not its target other-model"):
         for_target(tiny_bundle, replace(info, model_id="other-model"))
+
+
+def test_a_bundle_cut_short_leaves_the_generation_to_prompt_lookup(moa_server, tiny_target,
+                                                                   tmp_path, monkeypatch,
+                                                                   capsys):
+    """A download that fails its sha256 check (or its deadline): one line, then prompt
+    lookup; nothing cached, so the next run fetches it again."""
+    monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
+
+    whole = ServerLink.fetch_artifact
+
+    async def cut_short(self, name, sha256, size_bytes=0):
+        if not name.startswith("drafter"):  # the tokenizer arrives
+            return await whole(self, name, sha256, size_bytes)
+        raise LinkError(f"artifact {name} from {self.address} failed its sha256 check")
+    monkeypatch.setattr(ServerLink, "fetch_artifact", cut_short)
+
+    async def go():
+        async with EdgeClient(moa_server.address, ClientOptions("moa", 16, MAX_NEW)) as client:
+            result = await client.generate(client.options.open_request(prompt_ids=PROMPTS[0]))
+            return client.options.drafter, result
+
+    drafter, result = asyncio.run(go())
+    assert drafter is DrafterName.PLD
+    assert compare(tiny_target, PROMPTS[0], result.output_ids,
+                   plain_greedy(tiny_target, PROMPTS[0], MAX_NEW)).lossless
+    said = [line for line in capsys.readouterr().err.splitlines() if "cannot" in line]
+    assert len(said) == 1 and "did not arrive whole" in said[0], said
+    assert not list((tmp_path / "drafters").glob("*"))
