@@ -122,11 +122,12 @@ def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_
     from shared import wire
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    aliases: list[int] = []
+    aliases: list[int] = []  # per draft that reached the server
     decode = wire.client_from_proto
 
     def counted(raw, max_tree_nodes):
-        aliases.append(len(raw.draft.alias_nodes) if raw.HasField("draft") else 0)
+        if raw.HasField("draft"):
+            aliases.append(len(raw.draft.alias_nodes))
         return decode(raw, max_tree_nodes)
 
     monkeypatch.setattr(wire, "client_from_proto", counted)
@@ -150,7 +151,11 @@ def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_
         for prompt, result in zip(PROMPTS, results):
             plain = plain_greedy(tiny_target, prompt, MAX_NEW)
             assert compare(tiny_target, prompt, result.output_ids, plain).lossless
-    assert sum(aliases) > 0  # each generation's first draft has one, and always goes
+    # each generation's first draft has one; lock-step always sends it, while a paced
+    # server on a loaded machine may finish before any draft reaches it (1 run in 4 beside
+    # two busy cores)
+    if pace is Pace.LOCKSTEP or aliases:
+        assert sum(aliases) > 0, aliases
     if pace is Pace.LOCKSTEP:  # every draft is verified; paced, the server may run past them
         # without the unrolled subtree a round accepts g1 and g2 at most
         assert max(n for o in oracles for n in o.accepted) > 2, [o.accepted for o in oracles]
