@@ -3,10 +3,10 @@ edge reads (edge_client/drafters/moa_bundle.py, moa.py), named once.
 
 A bundle is one directory: `bundle.json` (the manifest below), the edge half's ONNX graphs in
 one or more precisions, and the drafter's designed tree when it has one (the edge fetches the
-target's tokenizer as an artifact of its own). Each graph keeps its K/V state outside: the memory graph turns verified rows into
-Cross-Attention keys and values, the step graph runs drafting queries against those and the
-Self-Attention cache. The manifest lists every file's sha256, so the hash of the manifest names
-the whole bundle.
+target's tokenizer as an artifact of its own). Each graph keeps its K/V state outside: the
+memory graph turns verified rows into Cross-Attention keys and values, the step graph runs
+drafting queries against those and the Self-Attention cache. The manifest lists every file's
+sha256, so the hash of the manifest names the whole bundle.
 """
 from __future__ import annotations
 

@@ -347,6 +347,23 @@ def test_auto_has_no_sampling_rule_until_resolved():
     assert moa.open_request(prompt_ids=PROMPTS[0]).acceptance is AcceptanceMode.TOPK_DRAFTS
 
 
+def drafted_with_pld(address: str, tiny_target, capsys) -> str:
+    """Generates PROMPTS[0] asking for the MoA drafter; checks the edge fell back to prompt
+    lookup with the target's text and said so in one line, which it returns."""
+    async def go():
+        async with EdgeClient(address, ClientOptions("moa", 16, MAX_NEW)) as client:
+            result = await client.generate(client.options.open_request(prompt_ids=PROMPTS[0]))
+            return client.options.drafter, result
+
+    drafter, result = asyncio.run(go())
+    assert drafter is DrafterName.PLD
+    assert compare(tiny_target, PROMPTS[0], result.output_ids,
+                   plain_greedy(tiny_target, PROMPTS[0], MAX_NEW)).lossless
+    said = [line for line in capsys.readouterr().err.splitlines() if "cannot" in line]
+    assert len(said) == 1 and "pld" in said[0], said
+    return said[0]
+
+
 def test_an_edge_that_cannot_run_the_bundle_drafts_with_prompt_lookup(moa_server, tiny_target,
                                                                       tmp_path, monkeypatch,
                                                                       capsys):
@@ -360,18 +377,7 @@ def test_an_edge_that_cannot_run_the_bundle_drafts_with_prompt_lookup(moa_server
         raise ort.capi.onnxruntime_pybind11_state.Fail("[ONNXRuntimeError] : 1 : FAIL : "
                                                        "unknown operator\nsecond line")
     monkeypatch.setattr(ort, "InferenceSession", too_old)
-
-    async def go():
-        async with EdgeClient(moa_server.address, ClientOptions("moa", 16, MAX_NEW)) as client:
-            result = await client.generate(client.options.open_request(prompt_ids=PROMPTS[0]))
-            return client.options.drafter, result
-
-    drafter, result = asyncio.run(go())
-    assert drafter is DrafterName.PLD
-    assert compare(tiny_target, PROMPTS[0], result.output_ids,
-                   plain_greedy(tiny_target, PROMPTS[0], MAX_NEW)).lossless
-    said = [line for line in capsys.readouterr().err.splitlines() if "cannot" in line]
-    assert len(said) == 1 and "update onnxruntime" in said[0] and "pld" in said[0], said
+    assert "update onnxruntime" in drafted_with_pld(moa_server.address, tiny_target, capsys)
 
 
 def test_a_bundle_built_for_another_target_is_refused(moa_server, tiny_bundle):
@@ -401,16 +407,5 @@ def test_a_bundle_cut_short_leaves_the_generation_to_prompt_lookup(moa_server, t
             return await whole(self, name, sha256, size_bytes)
         raise LinkError(f"artifact {name} from {self.address} failed its sha256 check")
     monkeypatch.setattr(ServerLink, "fetch_artifact", cut_short)
-
-    async def go():
-        async with EdgeClient(moa_server.address, ClientOptions("moa", 16, MAX_NEW)) as client:
-            result = await client.generate(client.options.open_request(prompt_ids=PROMPTS[0]))
-            return client.options.drafter, result
-
-    drafter, result = asyncio.run(go())
-    assert drafter is DrafterName.PLD
-    assert compare(tiny_target, PROMPTS[0], result.output_ids,
-                   plain_greedy(tiny_target, PROMPTS[0], MAX_NEW)).lossless
-    said = [line for line in capsys.readouterr().err.splitlines() if "cannot" in line]
-    assert len(said) == 1 and "did not arrive whole" in said[0], said
+    assert "did not arrive whole" in drafted_with_pld(moa_server.address, tiny_target, capsys)
     assert not list((tmp_path / "drafters").glob("*"))

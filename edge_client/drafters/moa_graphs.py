@@ -53,7 +53,7 @@ class MoaGraphs:
                 ort.InferenceSession(str(bundle_dir / manifest.graph(self.precision, graph)),
                                      options, providers=["CPUExecutionProvider"])
                 for graph in (Graph.MEMORY, Graph.STEP))
-        except (RuntimeError, ort.capi.onnxruntime_pybind11_state.Fail) as err:
+        except Exception as err:  # onnxruntime's own (Fail, InvalidGraph, ...): no common base
             raise BundleError(f"onnxruntime {ort.__version__} cannot load the drafter's "
                               f"{self.precision.value} graphs ({str(err).splitlines()[0]}): "
                               "update onnxruntime") from None
