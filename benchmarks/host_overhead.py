@@ -222,6 +222,7 @@ async def run_cell(client: EdgeClient, method: str, batch: list[OpenRequest], pi
             "model_forwards": delta(after, before, "splitdec_model_forwards_total"),
             "forward_ms_sum": delta(after, before, "splitdec_forward_ms_sum"),
             "tokens": delta(after, before, "splitdec_tokens_generated_total"),
+            "forwarded": delta(after, before, "splitdec_batch_tokens_sum"),
             "cpu_s": {part: after.cpu[part] - before.cpu[part] for part in PARTS},
             "wait_s": {part: after.wait[part] - before.wait[part] for part in PARTS},
             "client_cpu_s": client_cpu, "client_wait_s": client_wait,
@@ -248,6 +249,7 @@ def summarize(cell: dict) -> dict:
            "model thread waited": waited,
            "event loop": cpu_ms[PARTS[1]], "gRPC and other threads": cpu_ms[PARTS[2]],
            "tokens per forward": cell["tokens"] / fwd,
+           "forwarded per forward": cell.get("forwarded", 0.0) / fwd,
            "client ms/token": 1000 * sum(g["wall_s"] / len(g["output_ids"]) for g in gens)
            / len(gens),
            "cell ms/token": 1000 * cell["wall_s"] / sum(len(g["output_ids"]) for g in gens)}
@@ -286,6 +288,7 @@ def render(rows: list[dict]) -> str:
              f"{r['other model thread']:.2f}", f"{r['wire']:.2f}",
              f"{r['outside model call']:.2f}", f"{r['total']:.2f}", f"{r['vs baseline']:.2f}",
              f"{r['model thread waited']:.2f}", f"{r['tokens per forward']:.2f}",
+             f"{r['forwarded per forward']:.1f}",
              f"{r['client ms/token']:.1f}", f"{r['cell ms/token']:.2f}",
              f"{r['tokens/s']:.0f}",
              f"{r['share of ideal']:.2f}" if "share of ideal" in r else "-",
@@ -297,6 +300,7 @@ def render(rows: list[dict]) -> str:
                            "wire ms (event loop + gRPC)", "host ms outside model call",
                            "total ms/session-fwd", f"total vs {BASELINE}",
                            "model thread waited for a core ms", "tokens/session-fwd",
+                           "forwarded tokens/session-fwd (tree + 1)",
                            "client wall ms/token (per session)",
                            "cell wall ms/token (all sessions)", "committed tokens/s",
                            "share of ideal", "server CPU s/s (waited for a core)",

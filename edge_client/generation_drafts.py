@@ -49,6 +49,7 @@ class GenerationDrafts:
         self._ready_tree: DraftTree | None = None  # from a speculation that came true
         self._speculation: Speculation | None = None  # drafted during a lock-step round
         self._sent_at = 0.0  # when the last tree went (perf_counter)
+        self._draft_ms: float | None = None  # drafting it in its round (None: drafted ahead)
         self.server_nodes = 0  # the size the latest Verdict gave the next draft (0: none)
         self._alone: Drafter | None = None  # offline, for a drafter that was sent no rows
         self._lookup = PromptLookupDrafter()  # offline, first: the text's own continuation
@@ -70,6 +71,7 @@ class GenerationDrafts:
         """The tree to send with the q its drafts were drawn from (acceptance sampled-drafts
         only); `checking_offline` then says whether it is offline text being checked."""
         self.checking_offline = bool(self.offline)
+        self._draft_ms = None
         if self.offline:
             return self._with_q(Proposal(DraftTree.chain(self.offline[: self.max_chain])))
         ready, self._ready_tree = self._ready_tree, None
@@ -77,7 +79,9 @@ class GenerationDrafts:
             return self._with_q(Proposal(ready))
         start = time.perf_counter()
         proposal = await self.off_loop(self._draft, context)
-        self.result.draft_s += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.result.draft_s += spent
+        self._draft_ms = 1000 * spent
         if not len(proposal.tree):
             proposal = Proposal(fallback_tree(context))
         return self._with_q(proposal)
@@ -126,7 +130,8 @@ class GenerationDrafts:
         if self.checking_offline or not lockstep:
             return
         held_ms = 1000 * (time.perf_counter() - self._sent_at)
-        self.budget.observe(len(tree), verdict.accepted_nodes, held_ms, verdict.verify_ms)
+        self.budget.observe(len(tree), verdict.accepted_nodes, held_ms, verdict.verify_ms,
+                            self._draft_ms)
 
     def committed(self, tokens: Sequence[int]) -> None:
         """The server committed `tokens`: the offline text keeps what they confirm."""

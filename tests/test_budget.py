@@ -1,9 +1,13 @@
 """The tree budget follows the measured costs and the measured acceptance."""
 from __future__ import annotations
 
-from shared.drafting.budget import Load, TreeBudget
+import numpy as np
+import pytest
+
+from shared.drafting.budget import CostLine, Load, TreeBudget
 
 CPU_COSTS = [(1, 33.0), (8, 37.0), (16, 43.0), (32, 57.0), (64, 90.0)]
+GPU_COSTS = [(1, 2.0), (64, 2.0)]  # a captured graph's forward: the same for any tree
 
 
 def trained(budget: TreeBudget, accepted_ranks: int, rounds: int = 200, round_ms: float = 40.0,
@@ -44,6 +48,47 @@ def test_trees_shrink_when_they_share_a_forward_with_other_sessions():
     assert b.nodes(Load(sessions=1, tokens=1 + alone)) == alone  # alone in its forward
     crowded = [b.nodes(Load(sessions=s, tokens=s * (1 + alone))) for s in (2, 8)]
     assert alone > crowded[0] > crowded[1] >= 1
+
+
+def test_drafting_cost_is_a_line_fitted_to_the_rounds_sizes_and_times():
+    line = CostLine()
+    assert line(np.array([10]))[0] == 0.0  # nothing measured: drafting costs nothing
+    for i in range(300):
+        n = 1 + (7 * i) % 64  # sizes that vary, as a budget's choices do
+        line.observe(n, 2.0 + 0.1 * n)
+    assert line.slope == pytest.approx(0.1, rel=0.02)
+    assert line(np.array([0, 50])) == pytest.approx([2.0, 7.0], rel=0.05)
+
+
+def test_drafting_cost_never_falls_with_size_and_forgets_a_slope_sizes_stopped_showing():
+    falling = CostLine()
+    for i in range(100):
+        falling.observe(1 + i % 32, 10.0 - 0.2 * (i % 32))
+    assert falling.slope == 0.0 and all(falling(np.array([1, 32])) >= 0)
+    line = CostLine()
+    for i in range(100):
+        line.observe(1 + (7 * i) % 64, 0.1 * (1 + (7 * i) % 64))
+    measured = line.slope
+    for _ in range(300):  # one size only: the sizes' spread decays, and with it the slope
+        line.observe(20, 2.0)
+    assert measured > 0.09 and line.slope < measured / 10
+    assert line(np.array([20]))[0] == pytest.approx(2.0, rel=0.05)
+
+
+def test_when_verification_is_flat_the_drafting_time_sizes_the_tree():
+    """On a GPU every tree costs one forward: without the drafter's time a node is worth
+    sending as long as it is ever accepted; with it, only while it commits more than it costs."""
+    def budget_for(draft_ms_per_node: float | None) -> int:
+        b = TreeBudget(GPU_COSTS, 64)
+        for i in range(300):  # falling acceptance rates by rank
+            sent = b.nodes()
+            accepted = tuple(r for r in range(sent) if i % (2 + 2 * r) == 0)
+            draft = None if draft_ms_per_node is None else 0.2 + draft_ms_per_node * sent
+            b.observe(sent, accepted, 3.0, 2.0, draft)
+        return b.nodes()
+    assert budget_for(None) == 64
+    assert 1 < budget_for(0.05) < 64
+    assert budget_for(0.2) < budget_for(0.05)
 
 
 def test_untried_ranks_keep_their_prior_so_the_budget_can_grow():

@@ -162,7 +162,7 @@ def test_while_auto_says_rest_no_rows_cross_and_those_after_come_from_where_they
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
     monkeypatch.setattr(ServerDecoder, "propose",
-                        lambda self, context: Proposal(DraftTree.chain([])))
+                        lambda self, context, nodes=None: Proposal(DraftTree.chain([])))
     prompt, max_new = PROMPTS[0], 64
     _deciding(monkeypatch, lambda n: Next.REST if 4 <= n < 16 else Next.DRAFT)
     log: list[tuple] = []

@@ -176,12 +176,33 @@ def test_a_merged_forward_says_what_the_servers_own_candidates_alone_would_have_
     session, decoder = _decoder_after_prefill(tiny_target, "pld", PROMPTS[1])
     truth = plain_greedy(tiny_target, PROMPTS[1], MAX_NEW)
     at = len(session.committed) - len(PROMPTS[1])
-    monkeypatch.setattr(ServerDecoder, "propose", lambda self, context: Proposal(
+    monkeypatch.setattr(ServerDecoder, "propose", lambda self, context, nodes=None: Proposal(
         DraftTree.chain(truth[at: at + own_reach])))
     forwarded = _step(tiny_target, decoder, 1, DraftTree.chain(truth[at: at + client_reach]))
     assert len(forwarded.verdict.accepted_nodes) == client_reach
     assert len(forwarded.verdict.tokens) == max(own_reach, client_reach) + 1
     assert forwarded.alone == own_reach + 1
+
+
+def test_a_merged_forward_asks_the_servers_own_drafter_for_no_more_than_it_keeps(
+        tiny_target, monkeypatch):
+    """The merged tree is cut to the forward's budget, so the server's own drafter (Token
+    Recycling's heap grows node by node in Python) drafts at most that many nodes, not as
+    many as its own budget would ask for a forward of its own."""
+    from cloud_server.decoding.server_decoding import ServerDecoder
+    from shared.tree import DraftTree
+
+    asked: list[int | None] = []
+    propose = ServerDecoder.propose
+    monkeypatch.setattr(ServerDecoder, "propose", lambda self, context, nodes=None: (
+        asked.append(nodes) or propose(self, context, nodes)))
+    session, decoder = _decoder_after_prefill(tiny_target, "recycle", PROMPTS[1])
+    truth = plain_greedy(tiny_target, PROMPTS[1], MAX_NEW)
+    for draft_id in (1, 2, 3):
+        budget = decoder.draft_nodes()
+        at = len(session.committed) - len(PROMPTS[1])
+        _step(tiny_target, decoder, draft_id, DraftTree.chain(truth[at: at + 2]))
+        assert asked[-1] == budget
 
 
 class _LastToken(SilentListener):

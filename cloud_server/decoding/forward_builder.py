@@ -68,15 +68,17 @@ class ForwardBuilder:
             verdict = yield from self.session.advancing(client.proposal, queued_at,
                                                         draft.round_id)
             return Forwarded(verdict, None)
-        client_tree, own_tree = client.proposal.tree, self.own.propose(context).tree
+        # The merged tree keeps `nodes` at most: the server's own need not draft more
+        nodes = self._budget.nodes(self.own.load())
+        client_tree, own_tree = client.proposal.tree, self.own.propose(context, nodes).tree
         first, second = ((own_tree, client_tree) if self._precedence.own_first()
                          else (client_tree, own_tree))
-        tree = first.merged(second, self.session.spec.limits.max_tree_nodes)
-        tree = tree.prefix(self._budget.nodes(self.own.load()))
+        tree = first.merged(second, self.session.spec.limits.max_tree_nodes).prefix(nodes)
         verdict = yield from self.session.advancing(Proposal(tree), queued_at, draft.round_id,
                                                     names_nodes=False)
         said = verdict.tokens[:-1]
-        self._budget.observe(len(tree), tree.walk(said), verdict.verify_ms, verdict.verify_ms)
+        self._budget.observe(len(tree), tree.walk(said), verdict.verify_ms, verdict.verify_ms,
+                             self.own.last_draft_ms)
         # The target's tokens are what they are: either tree alone would have had accepted as
         # much of them as it follows (and the forward's own token after that). What the
         # client's follows are its accepted nodes, wherever the merge put them.

@@ -60,6 +60,7 @@ class ServerDecoder:
         self._drafter = drafter
         self._budget = TreeBudget(verify_costs, limits.max_tree_nodes, fixed=tree_nodes or None)
         self.draft_s = 0.0  # time spent proposing
+        self.last_draft_ms = 0.0  # the last propose's
         self.load = load
         if isinstance(drafter, RecyclingDrafter):
             session.watch_successors(drafter.top_k, drafter.recycle)
@@ -89,18 +90,22 @@ class ServerDecoder:
         self.learn(context, proposal.tree, verdict, start)
         return verdict
 
-    def propose(self, context: list[int]) -> Proposal:
-        """The drafter's candidates continuing `context` (empty without a drafter)."""
+    def propose(self, context: list[int], nodes: int | None = None) -> Proposal:
+        """The drafter's candidates continuing `context` (empty without a drafter), at most
+        `nodes` of them (None: as many as its own tree budget asks)."""
         if self._drafter is None:
             return Proposal(PLAIN)
         start = time.perf_counter()
-        nodes = self._budget.nodes(self.load())
+        if nodes is None:
+            nodes = self._budget.nodes(self.load())
         if self.session.spec.acceptance is not AcceptanceMode.SAMPLED_DRAFTS:
             proposal = Proposal(self._drafter.propose(context, nodes))
         else:
             rng = round_rng(self.session.spec.seed, RngStream.DRAFT, len(context))
             proposal = self._drafter.propose_sampled(context, nodes, rng)
-        self.draft_s += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.draft_s += spent
+        self.last_draft_ms = 1000 * spent
         return proposal
 
     def learn(self, context: list[int], tree: DraftTree, verdict: Verdict, start: float) -> None:
@@ -109,8 +114,9 @@ class ServerDecoder:
         if self._drafter is None:
             return
         self._drafter.observe(context, tree, verdict.accepted_nodes, verdict.tokens)
-        self._budget.observe(len(tree), verdict.accepted_nodes,
-                             1000 * (time.perf_counter() - start), verdict.verify_ms)
+        round_ms = 1000 * (time.perf_counter() - start) - self.last_draft_ms
+        self._budget.observe(len(tree), verdict.accepted_nodes, round_ms, verdict.verify_ms,
+                             self.last_draft_ms)
         self._feed(verdict)
 
     def _feed(self, verdict: Verdict) -> None:
