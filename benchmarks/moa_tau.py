@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from cloud_server.moa.weights import TRAINED, WEIGHTS
+    from edge_client.drafters.tree_search import TreeSearch
 
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--drafter", type=Path, default=TRAINED / "SmolLM2-135M-Instruct",
@@ -152,7 +153,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--max-nodes", type=int, default=64)
-    p.add_argument("--max-depth", type=int, default=8)
+    p.add_argument("--max-depth", type=int, default=TreeSearch.max_depth)
+    p.add_argument("--beam", type=int, default=TreeSearch.beam,
+                   help="nodes of a depth the dynamic tree expands")
     p.add_argument("--lookup-nodes", type=int, default=16,
                    help="prompt-lookup nodes merged into moa+lookup trees")
     p.add_argument("--precision", type=Precision, choices=list(Precision), default=Precision.MIXED,
@@ -243,7 +246,7 @@ def moa_contender(args: argparse.Namespace, target, entry: Entry) -> Contender:
     size = sum((bundle / manifest.graph(precision, g)).stat().st_size for g in Graph)
     graphs = MoaGraphs(bundle, precision)
     tree = TREE_DRAFTERS[graphs.kind](graphs, TreeSearch(
-        args.max_depth, merge=entry.graphs,
+        args.max_depth, args.beam, merge=entry.graphs,
         choices=static_trees.load(entry.directory) if entry.cddt else None))
     race = RaceAware(tree, graphs.vocab) if entry.race else None
     ranked = tree if race is None else race
@@ -342,7 +345,7 @@ def report(args: argparse.Namespace, target, tested: list[Contender]) -> dict:
         f"temperature {args.temperature}, acceptance "
         f"{args.acceptance.value if args.acceptance else 'the default'}")
     text = (f"Drafters in process, {how}, tree <= {args.max_nodes} nodes, depth <= "
-            f"{args.max_depth}, {args.max_new_tokens} new tokens, {args.per_set} prompts per "
+            f"{args.max_depth}, beam {args.beam}, {args.max_new_tokens} new tokens, {args.per_set} prompts per "
             f"set; MoA drafter {args.drafter.name} ({args.precision} graphs, {args.activations} "
             f"activations); moa+lookup merges up to {args.lookup_nodes} prompt-lookup nodes; "
             f"target on {target_device(target)} in {args.dtype}, --weights {args.weights}; "
