@@ -14,7 +14,7 @@ are ranks.py's; vLLM V1 lays out the same way (one process serving, one worker p
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, Sequence
 
 import numpy as np
@@ -26,7 +26,8 @@ from cloud_server.engine.interface import ForwardJob
 from cloud_server.engine.kv_slots import SlotCache, SlotLayer, moves
 from cloud_server.engine.ranks import COLLECTIVE_S, Group, OnLost, Ranks
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
-from cloud_server.engine.tensor_parallel import all_reduce, shard
+from cloud_server.engine.static_llama import StaticLlama
+from cloud_server.engine.tensor_parallel import Read, all_reduce, shard
 from shared.errors import SplitDecodingError
 
 
@@ -53,10 +54,17 @@ class ShardJob:
     def device(self, rank: int) -> torch.device:
         return torch.device("cuda", rank) if self.device_type == "cuda" else torch.device("cpu")
 
-    def engine(self, model: Any, rank: int, group: Group) -> StaticEngine:
-        device = self.device(rank)
-        net = shard(model, rank, group.size(), all_reduce(group), device)
-        return StaticEngine(model, device, self.plan, self.graphs, self.pad, net=net)
+    def shard(self, model: Any, rank: int, ranks: int, read: Read | None = None
+              ) -> StaticLlama:
+        """Rank `rank`'s weights on its device, read by `read` (tensor_parallel.shard); their
+        sums join the group in `engine`."""
+        return shard(model, rank, ranks, lambda whole: whole, self.device(rank), read)
+
+    def engine(self, model: Any, rank: int, group: Group, net: StaticLlama | None = None
+               ) -> StaticEngine:
+        """The rank's engine over `net` (None: its shard of `model`'s own weights)."""
+        net = replace(net or self.shard(model, rank, group.size()), reduce=all_reduce(group))
+        return StaticEngine(model, self.device(rank), self.plan, self.graphs, self.pad, net=net)
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,46 @@
 """A rank r > 0 of a tensor-parallel target, started by rank 0 (ranks.py) as
-`python -m cloud_server.engine.rank_worker`: it reads its spec on stdin, loads the checkpoint,
-keeps its shard and drops the rest, joins the group, then runs rank 0's messages
-(parallel_engine.Follower) until its pipe ends. A collective that fails (a rank gone, or past
-its deadline) ends it with one line and code 1; rank 0 sees the exit."""
+`python -m cloud_server.engine.rank_worker`: it reads its spec on stdin, reads its shard from
+the checkpoint a slice at a time (checkpoint_slices.py; a checkpoint that does not hold every
+weight under the model's own names is loaded whole, then cut), joins the group, then runs rank
+0's messages (parallel_engine.Follower) until its pipe ends. A collective that fails (a rank
+gone, or past its deadline) ends it with one line and code 1; rank 0 sees the exit."""
 from __future__ import annotations
 
 import pickle
 import sys
+from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.utils import logging as transformers_logging
 
+from cloud_server.engine.checkpoint_slices import CheckpointSlices
 from cloud_server.engine.parallel_engine import Follower, ShardJob
 from cloud_server.engine.ranks import RankSpec, join, loaded_key, rank_store, use_loopback
+from cloud_server.engine.tensor_parallel import Read, shard_names
+
+
+def skeleton(job: ShardJob) -> tuple[Any, Read | None]:
+    """The model's modules on the meta device (no weights) and the checkpoint's slices to
+    read them from; else, for a checkpoint stored under other names or formats, the model
+    loaded whole (None: it reads its own)."""
+    config = AutoConfig.from_pretrained(job.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=job.dtype)
+    try:
+        slices = CheckpointSlices(Path(job.path))
+        missing = slices.missing(shard_names(model))
+    except FileNotFoundError as err:
+        missing = [str(err)]
+    if missing:
+        print(f"tensor parallel: the checkpoint lacks {missing[0]} (and {len(missing) - 1} "
+              "more) by the model's names: this rank loads it whole", file=sys.stderr,
+              flush=True)
+        return AutoModelForCausalLM.from_pretrained(job.path, dtype=job.dtype).eval(), None
+    body = model.model
+    body.rotary_emb = type(body.rotary_emb)(config=config)  # computed, not stored
+    return model, slices.read
 
 
 def main() -> int:
@@ -23,11 +50,12 @@ def main() -> int:
     transformers_logging.disable_progress_bar()  # rank 0 showed its own
     use_loopback()
     store = rank_store(spec.store_port)
-    model = AutoModelForCausalLM.from_pretrained(job.path, dtype=job.dtype).eval()
+    model, read = skeleton(job)
+    net = job.shard(model, spec.rank, spec.ranks, read)  # before the collectives' deadlines
     store.set(loaded_key(spec.rank), "1")
     group = join(store, spec.rank, spec.ranks, job.backend, spec.collective_s)
-    follower = Follower(job.engine(model, spec.rank, group), group)
-    del model  # the shard holds copies of its slices
+    follower = Follower(job.engine(model, spec.rank, group, net), group)
+    del model, net  # the engine holds the shard's copies of its slices
     try:
         follower.serve(sys.stdin.buffer)
     except RuntimeError as err:  # a collective failed: the group is gone

@@ -14,7 +14,6 @@ only, unless it is the embedding). Knows nothing of processes: ranks.py starts t
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -60,55 +59,91 @@ def all_reduce(group: Any) -> Reduce:
     return reduce
 
 
+# A named weight's rows and (for a matrix) columns, as stored: the model's own parameters
+# (`own_weights`), or a checkpoint's read a slice at a time (checkpoint_slices.py)
+Read = Callable[[str, slice, slice], torch.Tensor]
+ALL = slice(None)
+
+
+def own_weights(model: Any) -> Read:
+    """Reads `model`'s own parameters by name, detached: the shard's forward records nothing
+    for autograd in any grad mode, as a graph capture runs it (StaticLlama.of)."""
+    params = dict(model.named_parameters())
+
+    def read(name: str, rows: slice, cols: slice) -> torch.Tensor:
+        weight = params[name].detach()
+        return weight[rows] if weight.dim() == 1 else weight[rows, cols]
+    return read
+
+
+def shard_names(model: Any) -> list[str]:
+    """The names of the weights a shard reads (`shard`): every parameter, a tied head once,
+    as a checkpoint stores them."""
+    return [name for name, _ in model.named_parameters()]
+
+
 @torch.no_grad()
-def shard(model: Any, rank: int, ranks: int, reduce: Reduce, device: torch.device
-          ) -> StaticLlama:
-    """Rank `rank`'s part of `model` on `device`: copies of its slices, so a rank that loaded
-    the whole model can drop it (the modules compute as before: StaticLlama.of)."""
-    whole = StaticLlama.of(model)
-    H, G, hd = whole.heads, whole.kv_heads, whole.head_dim
-    h, g = H // ranks, G // ranks
+def shard(model: Any, rank: int, ranks: int, reduce: Reduce, device: torch.device,
+          read: Read | None = None) -> StaticLlama:
+    """Rank `rank`'s part of `model` on `device`, each weight read as its slice alone
+    (`read`, by default from `model`'s own parameters; `model` may then be a skeleton on
+    the meta device that names them)."""
+    read = read or own_weights(model)
+    config, body, dtype = model.config, model.model, model.dtype
+    names = {module: name for name, module in model.named_modules()}
+    attn0 = body.layers[0].self_attn
+    heads, hd = config.num_attention_heads, attn0.head_dim
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    h, g = heads // ranks, kv_heads // ranks
 
-    def rows(weight: torch.Tensor | None, size: int, parts: tuple[int, ...]
+    def take(module: Any, rows: slice = ALL, cols: slice = ALL, what: str = "weight"
              ) -> torch.Tensor | None:
-        """This rank's slice of each stacked part (q | k | v, gate | up), of `size` rows a
-        rank per unit of the part."""
-        if weight is None:
+        if getattr(module, what, None) is None:
             return None
-        pieces, start = [], 0
-        for units in parts:
-            per = units * size // ranks
-            pieces.append(weight[start + rank * per: start + (rank + 1) * per])
-            start += units * size
-        return torch.cat(pieces).to(device)
+        return read(f"{names[module]}.{what}", rows, cols).to(device, dtype).contiguous()
 
-    def layer(full: Layer) -> Layer:
-        inner = full.down.weight.shape[1]
-        return replace(
-            full, attn_norm=full.attn_norm.to(device), mlp_norm=full.mlp_norm.to(device),
-            q_norm=None if full.q_norm is None else full.q_norm.to(device),
-            k_norm=None if full.k_norm is None else full.k_norm.to(device),
-            qkv=Linear(rows(full.qkv.weight, hd, (H, G, G)),  # type: ignore[arg-type]
-                       rows(full.qkv.bias, hd, (H, G, G))),
-            gate_up=Linear(rows(full.gate_up.weight, inner, (1, 1)),  # type: ignore[arg-type]
-                           rows(full.gate_up.bias, inner, (1, 1))),
-            o=_row_parallel(full.o, rank, ranks, device),
-            down=_row_parallel(full.down, rank, ranks, device))
+    def mine(size: int) -> slice:
+        """This rank's `size` of every ranks' x size."""
+        return slice(rank * size, (rank + 1) * size)
 
-    embed = whole.embed.to(device)
-    tied = whole.head.data_ptr() == whole.embed.data_ptr()
-    head = embed if tied else (whole.head.to(device) if rank == 0
-                               else whole.head.new_empty((0, whole.head.shape[1]), device=device))
-    return replace(whole, embed=embed, head=head, norm=whole.norm.to(device),
-                   inv_freq=whole.inv_freq.to(device), layers=tuple(map(layer, whole.layers)),
-                   heads=h, kv_heads=g, reduce=reduce)
+    def stacked(*parts: tuple[Any, int]) -> Linear:
+        """Column-parallel: this rank's rows of each module, stacked (q | k | v, gate | up)."""
+        weights = [take(m, mine(size)) for m, size in parts]
+        biases = [take(m, mine(size), what="bias") for m, size in parts]
+        bias = None if any(b is None for b in biases) else torch.cat(biases)  # type: ignore
+        return Linear(torch.cat(weights), bias)  # type: ignore[arg-type]
+
+    def row_parallel(module: Any, size: int) -> Linear:
+        """This rank's columns; the bias is added once, by rank 0, before the sum."""
+        weight = take(module, cols=mine(size))
+        assert weight is not None
+        return Linear(weight, take(module, what="bias") if rank == 0 else None)
+
+    def layer(block: Any) -> Layer:
+        attn, mlp = block.self_attn, block.mlp
+        inner = mlp.down_proj.in_features // ranks
+        return Layer(
+            take(block.input_layernorm),  # type: ignore[arg-type]
+            stacked((attn.q_proj, h * hd), (attn.k_proj, g * hd), (attn.v_proj, g * hd)),
+            row_parallel(attn.o_proj, h * hd), take(getattr(attn, "q_norm", None)),
+            take(getattr(attn, "k_norm", None)),
+            take(block.post_attention_layernorm),  # type: ignore[arg-type]
+            stacked((mlp.gate_proj, inner), (mlp.up_proj, inner)),
+            row_parallel(mlp.down_proj, inner))
+
+    embed = take(body.embed_tokens)
+    assert embed is not None
+    lm_head = model.get_output_embeddings()
+    head = embed if _tied(model) else (take(lm_head) if rank == 0 else embed.new_empty(
+        (0, embed.shape[1])))
+    rotary = body.rotary_emb
+    return StaticLlama(
+        embed, tuple(map(layer, body.layers)), take(body.norm),  # type: ignore[arg-type]
+        head, rotary.inv_freq.float().to(device),  # type: ignore[arg-type]
+        float(getattr(rotary, "attention_scaling", 1.0)), float(config.rms_norm_eps), h, g, hd,
+        float(attn0.scaling), reduce)
 
 
-def _row_parallel(full: Linear, rank: int, ranks: int, device: torch.device) -> Linear:
-    """This rank's columns of the input side; the bias is added once, by rank 0, before the
-    sum."""
-    per = full.weight.shape[1] // ranks
-    weight = full.weight[:, rank * per: (rank + 1) * per].contiguous().to(device)
-    bias = full.bias.to(device) if full.bias is not None and rank == 0 else None
-    return Linear(weight, bias)
-
+def _tied(model: Any) -> bool:
+    """The head is the embedding (one parameter), as a checkpoint then stores it once."""
+    return model.get_output_embeddings().weight is model.model.embed_tokens.weight
