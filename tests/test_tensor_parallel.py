@@ -13,32 +13,24 @@ import threading
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
-from cloud_server.config import ServerConfig
 from cloud_server.engine.parallel_engine import ShardJob, TensorParallelEngine
 from cloud_server.engine.static_engine import SlotPlan
 from cloud_server.engine.tensor_parallel import fitting_sizes, unfit
-from cloud_server.reference import compare, plain_greedy
 from cloud_server.target import TargetModel
 from shared.drafting.base import DrafterName
 from shared.errors import Overloaded, Unavailable
-from shared.messages import Limits, OpenRequest
 from shared.tree import DraftTree
-from testkit.batched_runs import run_together
-from testkit.split_checks import assert_split_greedy_is_plain
 from testkit.tree_checks import assert_tree_forward_is_per_path
-from tests.server_harness import ServerThread
+from tests.parallel_checks import (
+    LIMITS, PROMPT, ROUNDING, TREE, assert_batch_of_every_shape_matches,
+    assert_batched_generations_match, assert_drafter_rows_match, assert_split_server_matches,
+)
 
 pytestmark = pytest.mark.slow  # each engine starts a rank: seconds, more on a busy machine
 
-PROMPT = [5, 17, 42, 99, 7, 61, 3, 9, 11, 12, 13]
-TREE = DraftTree(tokens=(10, 11, 12, 13, 14, 15, 16, 17), parents=(-1, -1, 0, 0, 1, 2, 5, 4))
-LIMITS = Limits(max_tree_nodes=16, max_tree_depth=8, max_prompt_tokens=300, max_new_tokens=64,
-                max_sessions=6, session_idle_timeout_s=5)
-ROUNDING = dict(atol=1e-5, rtol=0)  # fp32: the ranks' partial sums add in another order
 
 
 @pytest.fixture(scope="module", params=["rehearsed", "eager"])
@@ -77,51 +69,24 @@ def test_a_tree_compaction_and_a_step_are_one_processes(pair):
 
 
 def test_sessions_of_every_shape_in_one_batch_are_one_processes(pair):
-    """Rows of 1, 9 and 3 tokens, 4 sessions (a pad row in a bucket of 4 or 5), contexts
-    from 2 to 41; the captured layers per session."""
-    prompts = [PROMPT, PROMPT[:2], list(range(40, 80)), [100]]
-    trees = [TREE, DraftTree.chain([]), DraftTree.chain([4, 5]), TREE]
-    found = []
-    for target in pair:
-        caches = [target.prefill(prompt)[0] for prompt in prompts]
-        jobs = [target.tree_job(c, 30, t, capture=(0, 1)) for c, t in zip(caches, trees)]
-        target.run(jobs)
-        found.append(jobs)
-    for mine, theirs in zip(*found):
-        torch.testing.assert_close(theirs.logits, mine.logits, **ROUNDING)
-        torch.testing.assert_close(theirs.hidden, mine.hidden, **ROUNDING)
+    assert_batch_of_every_shape_matches(pair)
 
 
 @pytest.mark.parametrize("drafter", [None, DrafterName.RECYCLE], ids=["plain", "recycle"])
 def test_batched_generations_are_one_processes(pair, drafter):
-    one, split = pair
-    prompts = [PROMPT, [9, 8, 7, 6], list(range(20, 32)) * 2]
-    requests = [OpenRequest(prompt_ids=tuple(p), max_new_tokens=24) for p in prompts]
-    outputs, most = run_together(split, requests, drafter)
-    assert most > 1, "the sessions never shared a forward"
-    for prompt, output in zip(prompts, outputs):
-        assert compare(one, prompt, output, plain_greedy(one, prompt, 24)).lossless
+    assert_batched_generations_match(*pair, drafter)
 
 
 def test_split_greedy_through_the_server_is_one_processes_plain_greedy(pair):
-    one, split = pair
-    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], list(range(20, 32)) * 2]
-    with ServerThread(split, ServerConfig(LIMITS)) as server:
-        assert_split_greedy_is_plain(one, server.address, "pld", 8, prompts, 40)
+    assert_split_server_matches(*pair, LIMITS)
 
 
 @pytest.mark.parametrize("variant", ["", "last"])  # K/V gathered from the ranks; layers
 def test_the_drafters_activations_are_one_processes(pair, tiny_drafter_dir, variant):
     from cloud_server.moa.activations import ServerActivations
 
-    one, split = pair
-    activations = ServerActivations.load(tiny_drafter_dir / variant, one.model)
-    found = []
-    for target in pair:
-        cache = target.new_cache()
-        _, hidden = target.drive(target.prefill_jobs(cache, PROMPT, activations.hidden_layers))
-        found.append(activations(cache, 0, len(PROMPT), hidden, dtype=np.float32))
-    np.testing.assert_allclose(found[1], found[0], atol=1e-4)
+    assert_drafter_rows_match(*pair, ServerActivations.load(tiny_drafter_dir / variant,
+                                                            pair[0].model))
 
 
 def test_a_full_slot_is_refused_on_every_rank_and_the_ranks_go_on(pair):

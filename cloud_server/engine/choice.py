@@ -14,6 +14,7 @@ from cloud_server.engine import static_llama, tensor_parallel
 from cloud_server.engine.cpu_kernels import use_onednn_linear
 from cloud_server.engine.cuda_graphs import Rehearsal, Replay
 from cloud_server.engine.interface import Engine
+from cloud_server.engine.modules_parallel import ModulesJob, ModulesParallelEngine, no_plan
 from cloud_server.engine.parallel_engine import ShardJob, TensorParallelEngine
 from cloud_server.engine.ranks import OnLost
 from cloud_server.engine.static_engine import SlotPlan, StaticEngine
@@ -50,20 +51,34 @@ def pick_engine(model: Any, device: torch.device, weights: Weights, choice: Engi
 def _tensor_parallel(model: Any, device: torch.device, weights: Weights, choice: EngineChoice,
                      graphs: Graphs, plan: SlotPlan, ranks: int, on_lost: OnLost | None
                      ) -> Engine:
-    """The static engine over `ranks` ranks, every rank (rank 0 too) running its share of the
-    CPU's cores, so that the ranks do not take each other's."""
-    if weights is Weights.Q4 or choice is EngineChoice.TRANSFORMERS:
-        asked = "--weights q4" if weights is Weights.Q4 else "--engine transformers"
-        raise ValueError(f"--tensor-parallel runs the static engine on unquantized weights, "
-                         f"not {asked}")
-    why = static_llama.unsupported(model) or tensor_parallel.unfit(
-        model.config, ranks, torch.cuda.device_count() if device.type == "cuda" else None)
+    """The static engine over `ranks` ranks where it runs the model (auto) or is asked for,
+    else the transformers engine split by the model's own plan (modules_parallel.py); every
+    rank (rank 0 too) runs on its share of the CPU's cores, so that the ranks do not take
+    each other's."""
+    if weights is Weights.Q4:
+        raise ValueError("--tensor-parallel runs unquantized weights, not --weights q4")
+    unsupported = static_llama.unsupported(model)
+    modules = choice is EngineChoice.TRANSFORMERS or (
+        choice is EngineChoice.AUTO and unsupported is not None)
+    if choice is EngineChoice.STATIC and unsupported is not None:
+        raise ValueError(f"--engine static cannot run it: {unsupported}; --engine "
+                         "transformers will")
+    devices = torch.cuda.device_count() if device.type == "cuda" else None
+    why = tensor_parallel.unfit(model.config, ranks, devices)
+    if modules:
+        why = no_plan(model.config) or why
     if why is not None:
         raise ValueError(f"--tensor-parallel {ranks} cannot run it: {why}")
     _check_graphs(graphs, device)
-    kind = _graph_kind(graphs, device)
     threads = max(1, (os.cpu_count() or 1) // ranks)
     torch.set_num_threads(threads)
+    if modules:
+        if graphs in (Graphs.ON, Graphs.REHEARSE):
+            raise ValueError(f"--cuda-graphs {graphs.value} is the static engine's")
+        return ModulesParallelEngine.start(
+            ModulesJob(model.name_or_path, model.dtype, device.type), ranks, threads,
+            on_lost=on_lost)
+    kind = _graph_kind(graphs, device)
     job = ShardJob(model.name_or_path, model.dtype, device.type, plan, kind, kind is not None)
     return TensorParallelEngine.start(model, job, ranks, threads, on_lost=on_lost)
 

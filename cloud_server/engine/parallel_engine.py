@@ -13,9 +13,8 @@ are ranks.py's; vLLM V1 lays out the same way (one process serving, one worker p
 """
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO, Sequence
+from typing import Any, ClassVar, Sequence
 
 import numpy as np
 import torch
@@ -46,6 +45,7 @@ class ShardJob:
     plan: SlotPlan
     graphs: type[Replay] | type[Rehearsal] | None
     pad: bool
+    joins_first: ClassVar[bool] = False  # a rank loads its part, then joins (ranks.py)
 
     @property
     def backend(self) -> str:
@@ -210,15 +210,6 @@ class Follower:
 
     engine: StaticEngine
     group: Group
-
-    def serve(self, pipe: BinaryIO) -> None:
-        """Until the pipe ends (rank 0 stopped, or is gone)."""
-        while True:
-            try:
-                message: Message = pickle.load(pipe)
-            except EOFError:
-                return
-            self.handle(message)
 
     @torch.inference_mode()
     def handle(self, message: Message) -> None:

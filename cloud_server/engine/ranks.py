@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import IO, Any, Callable
+from typing import IO, Any, BinaryIO, Callable
 
 import torch.distributed as dist
 
@@ -58,13 +58,18 @@ def loaded_key(rank: int) -> str:
     return f"splitdec/loaded/{rank}"
 
 
-def join(store: dist.TCPStore, rank: int, ranks: int, backend: str, collective_s: float
-         ) -> Group:
+def join(store: dist.TCPStore, rank: int, ranks: int, backend: str, collective_s: float,
+         default: bool = False) -> Group:
     """The group the ranks' collectives run in, each waiting at most `collective_s`. Made
     as a group of its own rather than torch.distributed's default one, which a process holds
-    once: a test process starts and stops several."""
+    once (a test process starts and stops several), unless `default`: transformers' tensor
+    parallel plan runs on the default group (Ranks.stop ends it)."""
     prefixed = dist.PrefixStore("splitdec/tp", store)
     timeout = timedelta(seconds=collective_s)
+    if default:
+        dist.init_process_group(backend, store=prefixed, rank=rank, world_size=ranks,
+                                timeout=timeout)
+        return dist.distributed_c10d._get_default_group()
     if backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
@@ -86,8 +91,9 @@ class Ranks:
     """Rank 0's handle on the other ranks: `send` a message to all, `lost` once one is gone."""
 
     def __init__(self, procs: list[subprocess.Popen], store: dist.TCPStore, group: Group,
-                 backend: str, on_lost: OnLost | None):
+                 backend: str, on_lost: OnLost | None, default: bool = False):
         self.procs = procs
+        self._default = default  # the group is torch.distributed's default one
         self.store = store  # the rendezvous, which the group's setup reads
         self.group = group
         self.backend = backend
@@ -108,24 +114,33 @@ class Ranks:
     def start(cls, ranks: int, job: Any, backend: str, threads: int,
               collective_s: float = COLLECTIVE_S, on_lost: OnLost | None = None) -> "Ranks":
         """Starts ranks 1 .. `ranks` - 1, each building `job`, and joins them as rank 0 once
-        each has loaded its part; a rank that exits first fails the start with its code."""
+        each has loaded its part; a rank that exits first fails the start with its code. A
+        job that `joins_first` (its loading runs collectives) is joined at once, on the
+        default group: the caller loads its own part, then calls `await_loaded`."""
         use_loopback()
         store = dist.TCPStore(LOOPBACK, 0, ranks, is_master=True,
                               timeout=timedelta(seconds=STARTUP_S), wait_for_workers=False)
         procs = [subprocess.Popen([sys.executable, "-m", "cloud_server.engine.rank_worker"],
                                   stdin=subprocess.PIPE) for _ in range(1, ranks)]
+        first = job.joins_first
         try:
             for rank, proc in enumerate(procs, start=1):
                 _write(proc.stdin, RankSpec(rank, ranks, store.port, collective_s, threads, job))
-            for rank, proc in enumerate(procs, start=1):
-                _await_load(store, rank, ranks, proc)
-            group = join(store, 0, ranks, backend, collective_s)
+            if not first:
+                _await_loads(store, procs)
+            group = join(store, 0, ranks, backend, collective_s, default=first)
         except BaseException:
-            for proc in procs:
-                proc.kill()
-                proc.wait()
+            _kill(procs)
             raise
-        return cls(procs, store, group, backend, on_lost)
+        return cls(procs, store, group, backend, on_lost, default=first)
+
+    def await_loaded(self) -> None:
+        """Until every other rank has loaded its part (Ranks.start's `joins_first`)."""
+        try:
+            _await_loads(self.store, self.procs)
+        except BaseException:
+            self.stop()
+            raise
 
     def send(self, message: Any) -> None:
         """`message` to every other rank, or Unavailable once a rank is lost."""
@@ -176,6 +191,8 @@ class Ranks:
                 return
             self._stopping = True
         self._end_all()
+        if self._default and dist.is_initialized():
+            dist.destroy_process_group()
 
     def _end_all(self) -> None:
         for proc in self.procs:
@@ -197,6 +214,17 @@ class Ranks:
             self.lose(f"rank {rank} of {self.count} {_exit(code)}")
 
 
+def _await_loads(store: dist.TCPStore, procs: list[subprocess.Popen]) -> None:
+    for rank, proc in enumerate(procs, start=1):
+        _await_load(store, rank, len(procs) + 1, proc)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
 def _await_load(store: dist.TCPStore, rank: int, ranks: int, proc: subprocess.Popen) -> None:
     """Until the rank says it has loaded; one that exits first, or takes past STARTUP_S,
     fails the start."""
@@ -211,6 +239,17 @@ def _await_load(store: dist.TCPStore, rank: int, ranks: int, proc: subprocess.Po
             continue
         raise RuntimeError(f"rank {rank} of {ranks} {_exit(code)} while loading the target "
                            "(its lines above)")
+
+
+def follow(pipe: BinaryIO, handle: Callable[[Any], None]) -> None:
+    """On a rank r > 0: `handle`s rank 0's messages from `pipe` until it ends (rank 0
+    stopped, or is gone)."""
+    while True:
+        try:
+            message = pickle.load(pipe)
+        except EOFError:
+            return
+        handle(message)
 
 
 def _write(pipe: IO[bytes] | None, message: Any) -> None:

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cloud_server.engine.modules_parallel import ModulesParallelEngine
 from cloud_server.moa.activations import ServerActivations
 from cloud_server.moa.bundle import archive, build_bundle
 from cloud_server.moa.config import MoaConfig
@@ -57,6 +58,12 @@ def serve_drafter(drafter_dir: Path, target: TargetModel) -> ServedDrafter:
     config = MoaConfig.load(drafter_dir / CONFIG)
     activations = (ServerActivations.load(drafter_dir, target.model)
                    if config.uses_activations else None)
+    if (activations is not None and not activations.hidden_layers
+            and isinstance(target.engine, ModulesParallelEngine)):
+        raise ValueError("this drafter reads the cache's K/V, which transformers' tensor-"
+                         "parallel plan leaves split over the ranks: serve it without "
+                         "--tensor-parallel, with --engine static, or train one that reads "
+                         "layer outputs")
     key = f"{target.model_id}/{','.join(p.value for p in PRECISIONS)}/{EXPORT_REVISION}"
     digest = hashlib.sha256(key.encode())
     for name in (WEIGHTS, CONFIG, CHOICES_FILE):  # a design added later makes a new bundle
