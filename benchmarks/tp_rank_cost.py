@@ -11,7 +11,12 @@ one thread a process (`--tensor-parallel`'s share of this machine's 2 cores). Th
 all-reduces alone, back to back between two processes doing nothing else: the transport
 without the wait for a rank still at its math. Median of `--repeat`.
 
-    python -m benchmarks.tp_rank_cost [--repeat 15] [--name tp_rank_cost]
+`--engine transformers` times the transformers engine split by transformers' own plan
+(cloud_server/engine/modules_parallel.py) the same way, against one process's transformers
+engine: its collectives run inside the plan's DTensor layers, so rank 0's time is split only
+into the message and the rest.
+
+    python -m benchmarks.tp_rank_cost [--repeat 15] [--engine static] [--name tp_rank_cost]
 """
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ KINDS: dict[str, tuple[int, int | None]] = {
     "8 sessions x tree of 16": (8, 16), "prompt chunk of 256": (1, None)}
 COLUMNS = ("one process", "2 ranks: rank 0", "rank 0: shard math", "rank 0: message",
            "rank 0: all-reduces", "the all-reduces alone")
+PLAN_COLUMNS = ("one process", "2 ranks: rank 0", "rank 0: message",
+                "rank 0: its part and the collectives")
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,6 +62,7 @@ def parse_args() -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--name", default="tp_rank_cost")
+    p.add_argument("--engine", choices=("static", "transformers"), default="static")
     p.add_argument("--peer", type=int, help=argparse.SUPPRESS)  # the all-reduces' other rank
     p.add_argument("--sizes", help=argparse.SUPPRESS)
     p.add_argument("--calls", type=int, help=argparse.SUPPRESS)
@@ -103,14 +111,23 @@ def forward(target: TargetModel, caches: list[Any], nodes: int | None) -> Callab
     def run() -> None:
         if nodes is None:
             cache = caches[0]
-            cache.length = 0
+            _set_back(cache, 0)
             target.drive(target.prefill_jobs(cache, rng.integers(100, 40000, 256).tolist()))
         else:
             tree = bushy_tree(nodes) if nodes else DraftTree.chain([])
             target.run([target.tree_job(cache, 7, tree) for cache in caches])
         for cache in caches:
-            cache.length = CACHED
+            _set_back(cache)
     return run
+
+
+def _set_back(cache: Any, length: int = CACHED) -> None:
+    """The cache back to its first `length` positions: a KV slot's length, or a DynamicCache
+    cropped."""
+    if hasattr(cache, "length"):
+        cache.length = length
+    elif cache.get_seq_length() > length:
+        cache.crop(length - cache.get_seq_length())
 
 
 def prefilled(target: TargetModel, sessions: int) -> list[Any]:
@@ -151,6 +168,40 @@ def measure(one: TargetModel, split: TargetModel, repeat: int
         print(f"{kind}: " + ", ".join(f"{c} {out[kind][c]:.1f} ms" for c in COLUMNS[:5]),
               file=sys.stderr, flush=True)
     return out
+
+
+@torch.inference_mode()
+def measure_plan(one: TargetModel, split: TargetModel, repeat: int
+                 ) -> dict[str, dict[str, float]]:
+    """The transformers engine's split: forward kind -> column -> ms (median)."""
+    sent = Stopwatch()
+    split.engine.ranks.send = sent.wrap(split.engine.ranks.send)
+    out = {}
+    for kind, (sessions, nodes) in KINDS.items():
+        runs = [forward(t, prefilled(t, sessions), nodes) for t in (one, split)]
+        times: dict[str, list[float]] = {column: [] for column in PLAN_COLUMNS}
+        for _ in range(repeat):
+            times[PLAN_COLUMNS[0]].append(seconds(runs[0]))
+            sent.take()
+            total = seconds(runs[1])
+            message = sent.take()[0]
+            times[PLAN_COLUMNS[1]].append(total)
+            times[PLAN_COLUMNS[2]].append(message)
+            times[PLAN_COLUMNS[3]].append(total - message)
+        out[kind] = {column: 1000 * statistics.median(v) for column, v in times.items()}
+        print(f"{kind}: " + ", ".join(f"{c} {out[kind][c]:.1f} ms" for c in PLAN_COLUMNS),
+              file=sys.stderr, flush=True)
+    return out
+
+
+def report_plan(results: dict[str, dict[str, float]], repeat: int, layers: int) -> str:
+    rows = [[kind, *(f"{r[c]:.1f}" for c in PLAN_COLUMNS),
+             f"{r[PLAN_COLUMNS[1]] / r[PLAN_COLUMNS[0]]:.2f}"] for kind, r in results.items()]
+    return (f"# The transformers engine split by its plan over 2 ranks (gloo, the CPU)\n\n"
+            f"{machine()}; one thread a process; median of {repeat} runs; {2 * layers} "
+            "all-reduces a forward (o and down of each layer), the logits gathered once.\n\n"
+            + markdown_table(["forward", *(f"{c} ms" for c in PLAN_COLUMNS),
+                              "rank 0 / one process"], rows) + "\n")
 
 
 def all_reduces_alone(results: dict[str, dict[str, float]], repeat: int) -> None:
@@ -217,21 +268,27 @@ def main() -> int:
         return serve_peer(args.peer, [int(n) for n in args.sizes.split(",")], args.calls,
                           args.repeat)
     torch.set_num_threads(1)
+    plan = args.engine == "transformers"
+    columns: tuple[str, ...]
     with tempfile.TemporaryDirectory() as tmp:
         path = str(two_way_target(Path(tmp)))
-        load = dict(precision="fp32", weights="fp32", engine="static", limits=LIMITS)
+        load = dict(precision="fp32", weights="fp32", engine=args.engine, limits=LIMITS)
         one = TargetModel.load(path, "two-way", "cpu", **load)
         split = TargetModel.load(path, "two-way", "cpu", ranks=2, **load)
-        results = measure(one, split, args.repeat)
+        results = (measure_plan if plan else measure)(one, split, args.repeat)
         split.engine.ranks.stop()
-    all_reduces_alone(results, args.repeat)
-    text = report(results, args.repeat)
+    if plan:
+        text, columns = report_plan(results, args.repeat,
+                                    one.model.config.num_hidden_layers), PLAN_COLUMNS
+    else:
+        all_reduces_alone(results, args.repeat)
+        text, columns = report(results, args.repeat), COLUMNS
     (RESULTS / f"{args.name}.md").write_text(text)
     (RESULTS / f"{args.name}.json").write_text(json.dumps(results, indent=1))
     kinds = list(results)
     grouped_bars(RESULTS / f"{args.name}.png", kinds,
-                 {c: [results[k][c] for k in kinds] for c in COLUMNS}, "ms a forward",
-                 "A forward on one process and over 2 ranks (gloo, CPU), rank 0's time split")
+                 {c: [results[k][c] for k in kinds] for c in columns}, "ms a forward",
+                 f"A forward on one process and over 2 ranks ({args.engine} engine, gloo, CPU)")
     print(text)
     return 0
 
