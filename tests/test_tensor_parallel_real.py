@@ -1,7 +1,7 @@
 """`--tensor-parallel 3` on the real SmolLM2-135M (9 heads, 3 KV heads: three heads and one KV
 head a rank), gloo, fp32: split decoding with the committed MoA drafter is one process's plain
 greedy decoding, and what the drafter's server half reads (the last layer's outputs) and the
-logits equal one process's within fp32 rounding."""
+logits equal one process's within fp32 rounding; split by transformers' own plan too."""
 from __future__ import annotations
 
 import pytest
@@ -57,6 +57,27 @@ def test_the_layer_the_drafter_reads_and_the_logits_are_one_processes(targets):
 
 
 def test_moa_split_greedy_over_3_ranks_is_one_processes_plain_greedy(targets, tmp_path):
+    assert_moa_split_is_plain(*targets, tmp_path)
+
+
+def test_split_by_transformers_plan_over_3_ranks_is_one_processes_plain_greedy(targets,
+                                                                               tmp_path):
+    """The transformers engine split by transformers' own plan (modules_parallel.py), on
+    the real model: MoA split decoding is plain greedy decoding."""
+    from cloud_server import model_store
+
+    path, model_id = model_store.resolve("default")
+    split = TargetModel.load(path, model_id, "cpu", ranks=3, precision="fp32", weights="fp32",
+                             engine="transformers", limits=SLOTS)
+    try:
+        assert_moa_split_is_plain(targets[0], split, tmp_path)
+    finally:
+        split.engine.ranks.stop()
+
+
+def assert_moa_split_is_plain(one: TargetModel, split: TargetModel, tmp_path) -> None:
+    """Split greedy decoding on `split` with the committed MoA drafter is `one`'s plain
+    greedy decoding, and its drafts are accepted."""
     from cloud_server.moa.activations import ServerActivations
     from cloud_server.moa.bundle import build_bundle
     from cloud_server.moa.weights import committed_drafter
@@ -66,7 +87,6 @@ def test_moa_split_greedy_over_3_ranks_is_one_processes_plain_greedy(targets, tm
     from shared.drafter_bundle import Precision
     from shared.drafting.base import DrafterName
 
-    one, split = targets
     drafter_dir = committed_drafter(split.model_id)
     assert drafter_dir is not None
     bundle = build_bundle(drafter_dir, split.model, split.model_id, tmp_path)
