@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Awaitable
 
 import grpc
 
@@ -37,7 +37,6 @@ RESPONSE = bytes(100)  # a Verdict without activation rows
 IDLE_S = 300.0
 FRAME = struct.Struct("<I")
 TRANSPORTS = ("grpc", "grpc-wait-for", "grpc-timeout", "unix-frames")
-Exchange = Callable[[], Awaitable[None]]
 
 
 def _identity(message: bytes) -> bytes:

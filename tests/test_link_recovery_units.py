@@ -190,3 +190,37 @@ def test_offline_the_edge_copies_the_texts_own_continuation_first():
     text = [50, 1, 2, 3, 60, 1, 2]  # "1 2" came before, then 3
     asyncio.run(drafts.draft_offline(text, 4, LinkPolicy()))
     assert drafts.offline[:2] == [3, 60]  # copied, not counted on from 2
+
+
+class _Timed(TreeBudget):
+    """A tree budget that records the drafting time each lock-step round hands it."""
+
+    def __init__(self) -> None:
+        super().__init__([(1, 1.0)], 8)
+        self.drafted: list[float | None] = []
+
+    def observe(self, sent, accepted_nodes, round_ms, verify_ms, draft_ms=None) -> None:
+        self.drafted.append(draft_ms)
+        super().observe(sent, accepted_nodes, round_ms, verify_ms, draft_ms)
+
+
+def test_a_lockstep_round_tells_the_budget_its_drafting_time_unless_drafted_ahead():
+    """The budget weighs a tree's nodes by the time drafting them took (budget.py,
+    CostLine); a tree drafted while the last round was away cost the round nothing."""
+    import asyncio
+
+    from shared.messages import Verdict
+
+    budget = _Timed()
+    drafts = GenerationDrafts(PromptLookupDrafter(), budget, GenerationResult(),
+                              SilentListener(), Limits(), None)
+    context = [5, 6, 7]
+    tree = asyncio.run(drafts.next_tree(context)).tree
+    drafts.sent()
+    drafts.learn(context, tree, Verdict(1, (0,), (8, 9), 5), lockstep=True)
+    drafts._ready_tree = DraftTree((10,), (-1,))  # as a speculation that came true leaves it
+    ahead = asyncio.run(drafts.next_tree([5, 6, 7, 8, 9])).tree
+    drafts.sent()
+    drafts.learn([5, 6, 7, 8, 9], ahead, Verdict(2, (0,), (10, 11), 7), lockstep=True)
+    assert len(budget.drafted) == 2 and budget.drafted[0] is not None
+    assert budget.drafted[0] >= 0 and budget.drafted[1] is None

@@ -2,8 +2,10 @@
 tensor-parallel rank holds of a target without loading the rest (tensor_parallel.shard).
 
 safetensors maps each file and reads only the bytes of the rows and columns asked for, so a
-rank of N keeps about 1/N of the layers (and the whole embedding) where loading the checkpoint
-first held all of it on every rank at once: a 70B target's 141 GB on each of its ranks.
+rank of N keeps about 1/N of the layers (and the whole embedding) of its own, beside the page
+cache the ranks share. Loading the whole checkpoint first cost a rank the same where it is
+served in the dtype it is stored in (transformers maps it lazily too); served in another
+dtype, every rank converted all of it (results log, `rank_memory`).
 """
 from __future__ import annotations
 

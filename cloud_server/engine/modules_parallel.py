@@ -27,7 +27,6 @@ from transformers.distributed import DistributedConfig
 from cloud_server.engine.interface import ForwardJob
 from cloud_server.engine.ranks import COLLECTIVE_S, OnLost, Ranks
 from cloud_server.engine.transformers_engine import ModulesEngine
-from shared.errors import SplitDecodingError
 
 
 def no_plan(config: Any) -> str | None:
@@ -147,15 +146,10 @@ class ModulesParallelEngine:
         dropped = tuple(self._dropped[:])
         del self._dropped[: len(dropped)]
         keeps, self._keeps = tuple(self._keeps), []
-        self.ranks.send(Message(made, dropped, keeps, tuple(
+        message = Message(made, dropped, keeps, tuple(
             Job(self._numbers[job.cache], job.ids, job.positions, job.seen, job.rows)
-            for job in jobs)))
-        try:
-            self.local.run(jobs, capture)
-        except SplitDecodingError:
-            raise
-        except Exception as err:
-            raise self.ranks.failed(err) from err
+            for job in jobs))
+        self.ranks.together(message, lambda: self.local.run(jobs, capture))
 
 
 @dataclass

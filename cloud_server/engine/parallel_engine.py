@@ -138,12 +138,12 @@ class TensorParallelEngine:
         return GatheredCache(self.local.new_cache(most_positions), self._gather)
 
     def prepare(self, captures: Sequence[tuple[int, ...]], sessions: int = 1) -> None:
-        self._on_all(Message(self._taken(), prepare=(tuple(captures), sessions)),
+        self.ranks.together(Message(self._taken(), prepare=(tuple(captures), sessions)),
                      lambda: self.local.prepare(captures, sessions))
 
     def run(self, jobs: Sequence[ForwardJob], capture: tuple[int, ...]) -> None:
         message = Message(self._taken(), tuple(Job.of(job) for job in jobs), capture)
-        self._on_all(message, lambda: self.local.run(jobs, capture))
+        self.ranks.together(message, lambda: self.local.run(jobs, capture))
 
     def keep_path(self, cache: Any, base: int, accepted_nodes: tuple[int, ...]) -> None:
         if moves(accepted_nodes):
@@ -154,25 +154,13 @@ class TensorParallelEngine:
         """[2, layers, kv_heads, length, head_dim]: the slot's K/V of every rank's heads."""
         mine = self.local.pool.kv[:, :, slot, :, :length].contiguous()
         parts = [torch.empty_like(mine) for _ in range(self.ranks.count)]
-        self._on_all(Message(self._taken(), gather=(slot, length)),
+        self.ranks.together(Message(self._taken(), gather=(slot, length)),
                      lambda: self.ranks.group.gather([parts], [mine], _TO_RANK_0).wait())
         return torch.cat(parts, dim=2)
 
     def _taken(self) -> tuple[Keep, ...]:
         keeps, self._keeps = tuple(self._keeps), []
         return keeps
-
-    def _on_all(self, message: Message, mine: Any) -> None:
-        """Sends `message`, then runs rank 0's part. Once it is sent, a failure on rank 0 is
-        a lost group (the others wait in collectives it will not reach), but for a refusal
-        that every rank makes at the same point (a full slot: Overloaded)."""
-        self.ranks.send(message)
-        try:
-            mine()
-        except SplitDecodingError:
-            raise
-        except Exception as err:
-            raise self.ranks.failed(err) from err
 
 
 class GatheredCache:

@@ -28,7 +28,7 @@ from typing import IO, Any, BinaryIO, Callable
 
 import torch.distributed as dist
 
-from shared.errors import Unavailable
+from shared.errors import SplitDecodingError, Unavailable
 
 STARTUP_S = 600.0  # a rank loading its shard of a large checkpoint
 COLLECTIVE_S = 60.0  # one collective inside a forward: far above any forward's time
@@ -154,6 +154,18 @@ class Ranks:
                 proc.stdin.flush()
             except (OSError, ValueError) as err:  # its pipe broke, or was closed as it died
                 raise self.lose(f"rank {rank} of {self.count} took no message ({err})") from err
+
+    def together(self, message: Any, mine: Callable[[], None]) -> None:
+        """Sends `message`, then runs rank 0's part. Once it is sent, a failure on rank 0 is
+        a lost group (the others wait in collectives it will not reach), but for a refusal
+        that every rank makes at the same point (a full slot: Overloaded)."""
+        self.send(message)
+        try:
+            mine()
+        except SplitDecodingError:
+            raise
+        except Exception as err:
+            raise self.failed(err) from err
 
     def lose(self, why: str) -> Unavailable:
         """Marks the group lost (the first reason stays), stops the ranks left and tells
