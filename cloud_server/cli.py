@@ -64,6 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "of the cores on the CPU) as Megatron-LM does, on the static engine; "
                         "this process is rank 0 and serves. N must divide the model's "
                         "attention and KV heads (docs/usage.md, --tensor-parallel); default 1")
+    p.add_argument("--frontends", type=int, default=0, metavar="N",
+                   help="serve gRPC from N processes of its own, relaying to the engine over "
+                        "a Unix socket, so gRPC's CPU is not the engine core's (0: in the "
+                        "engine's process; docs/usage.md, --frontends)")
     p.add_argument("--max-sessions", type=int, default=defaults.max_sessions)
     p.add_argument("--max-tree-nodes", type=int, default=defaults.max_tree_nodes)
     p.add_argument("--max-prompt-tokens", type=int, default=defaults.max_prompt_tokens)
@@ -127,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--batch-tokens must be 0 (no batching) or more")
     if args.tensor_parallel < 1:
         p.error("--tensor-parallel must be 1 or more")
+    if args.frontends < 0:
+        p.error("--frontends must be 0 (gRPC in the engine's process) or more")
     return args
 
 
@@ -208,7 +214,8 @@ def run(argv: list[str]) -> int:
         if args.metrics_port is not None:
             bound = service.metrics.serve(args.host, args.metrics_port)
             print(f"metrics on http://{args.host}:{bound}/metrics", file=sys.stderr, flush=True)
-        asyncio.run(serve(service, args.host, args.port, security, lost_rank.stop_with))
+        asyncio.run(serve(service, args.host, args.port, security, lost_rank.stop_with,
+                          args.frontends))
     except (OSError, RuntimeError, ValueError, SplitDecodingError) as err:
         print(f"cloud-server: error: {err}", file=sys.stderr)
         return 1

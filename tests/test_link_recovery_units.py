@@ -164,12 +164,12 @@ def test_session_table_admits_by_kv_budget_and_frees_finished_orphans():
 
 def test_server_accepts_the_edge_keepalive_pings():
     """A server that allows fewer pings than the edge sends answers GOAWAY too_many_pings."""
-    from cloud_server.rpc.server import server_options
+    from cloud_server.rpc.frontend import server_options
     from edge_client.link import LinkConfig, channel_options
     from shared.messages import Limits
 
     client = dict(channel_options(LinkConfig()))
-    server = dict(server_options(Limits()))
+    server = dict(server_options(Limits().max_message_bytes))
     assert server["grpc.http2.min_ping_interval_without_data_ms"] < client["grpc.keepalive_time_ms"]
     assert client["grpc.keepalive_permit_without_calls"] == 1
 

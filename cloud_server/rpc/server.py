@@ -11,26 +11,19 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from cloud_server.rpc.artifacts import ArtifactStore
 from cloud_server.calibrate import measure_verify_costs
 from cloud_server.config import ServerConfig
+from cloud_server.rpc.frontend import GRACE_S, server_options
+from cloud_server.rpc.frontend_processes import FrontEnds, socket_path
 from cloud_server.rpc.health_check import SERVICE_NAME
+from cloud_server.rpc.relay import EngineRelay
 from cloud_server.rpc.drafter_serving import serve_drafter
 from cloud_server.model_thread import ModelThread
 from cloud_server.rpc.security import Security
 from cloud_server.rpc.service import SplitDecodingService
 from cloud_server.target import TargetModel
-from shared import gc_freeze, keepalive
+from shared import gc_freeze
 from shared.signals import stop_requested
-from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind, Limits
+from shared.messages import TOKENIZER_ARTIFACT, ArtifactKind
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc
-
-GRACE_S = 5.0
-
-
-def server_options(limits: Limits) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_receive_message_length", limits.max_message_bytes),
-        ("grpc.max_send_message_length", limits.max_message_bytes),
-        *keepalive.server_options(),
-    ]
 
 
 def build_service(target: TargetModel, config: ServerConfig,
@@ -69,7 +62,7 @@ async def start(service: SplitDecodingService, host: str, port: int,
                 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """Starts serving (over TLS when `security` has a certificate); returns the server, the
     bound port and the health servicer."""
-    server = grpc.aio.server(options=server_options(service.config.limits),
+    server = grpc.aio.server(options=server_options(service.config.limits.max_message_bytes),
                              interceptors=security.interceptors())
     splitdec_pb2_grpc.add_SplitDecodingServicer_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
@@ -87,19 +80,60 @@ async def start(service: SplitDecodingService, host: str, port: int,
     return server, bound, health_servicer
 
 
+async def start_relayed(service: SplitDecodingService, host: str, port: int,
+                        security: Security, frontends: int,
+                        on_failure: Callable[[str], None]) -> tuple[EngineRelay, FrontEnds, int]:
+    """Starts serving through `frontends` gRPC front-end processes (frontend.py) relaying to
+    this process's engine (relay.py); returns the relay, the front ends and the bound port.
+    `on_failure` hears of a front end that died and could not be replaced."""
+    relay = EngineRelay(service)
+    path = socket_path()
+    await relay.listen(path)
+    gc_freeze.freeze_loaded()
+    front_ends = FrontEnds(frontends, path, host, port, service.config.limits.max_message_bytes,
+                           security, on_failure)
+    try:
+        bound = await front_ends.start()
+    except OSError:
+        await front_ends.stop()
+        await relay.close()
+        raise
+    service.start_reaper()
+    return relay, front_ends, bound
+
+
 async def serve(service: SplitDecodingService, host: str, port: int,
                 security: Security = Security(),
-                stop_on: Callable[[Callable[[], object]], None] = lambda stop: None) -> None:
+                stop_on: Callable[[Callable[[], object]], None] = lambda stop: None,
+                frontends: int = 0) -> None:
     """Serves until SIGTERM or SIGINT, or until what `stop_on` is handed is called (from any
     thread: a tensor-parallel target's lost rank), then stops taking work and drains for
-    GRACE_S."""
-    server, bound, health_servicer = await start(service, host, port, security)
+    GRACE_S. With `frontends`, gRPC runs in that many processes of its own (start_relayed);
+    RuntimeError when one died and could not be replaced."""
     stopping = stop_requested()
     loop = asyncio.get_running_loop()
-    stop_on(lambda: loop.call_soon_threadsafe(stopping.set))
+    stop = lambda: loop.call_soon_threadsafe(stopping.set)  # noqa: E731
+    stop_on(stop)
+    failures: list[str] = []
+
+    def failed(why: str) -> None:
+        failures.append(why)
+        stop()
+
+    if frontends:
+        relay, front_ends, bound = await start_relayed(service, host, port, security,
+                                                       frontends, failed)
+    else:
+        server, bound, health_servicer = await start(service, host, port, security)
     print(f"listening on {host}:{bound}", flush=True)
     await stopping.wait()
     print("stopping: draining sessions", file=sys.stderr, flush=True)
-    await health_servicer.enter_graceful_shutdown()
-    await server.stop(GRACE_S)
+    if frontends:
+        await front_ends.stop()
+        await relay.close()
+    else:
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(GRACE_S)
     service.shutdown()
+    if failures:
+        raise RuntimeError(failures[0])
