@@ -64,7 +64,7 @@ from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_ser
                                parse_cores, placement, stacked_bars, write_results)
 from benchmarks.latency import SPLIT_PACES, method_clients, run_method
 from benchmarks.reliability import server_metrics
-from benchmarks.server_cpu import PARTS, SETTLE_S, server_pid, thread_times
+from benchmarks.server_cpu import PARTS, SETTLE_S, children, server_pid, thread_times
 from edge_client.client import EdgeClient
 from edge_client.drafter_source import DrafterPool
 from shared import prompt_sets as prompts
@@ -87,16 +87,20 @@ SEED = 0
 STACK = ("model call", "other model thread", "event loop", "gRPC and other threads")
 PACED = "paced"  # the engine label of the GPU-paced stand-in
 PACED_MODULE = "benchmarks.paced_server"
+FRONTEND_MODULE = "cloud_server.rpc.frontend"
 
 
 @dataclass
 class Reading:
     """The server's own counters, and by part (PARTS) its threads' CPU seconds and seconds
-    spent runnable but waiting for a core, at one moment."""
+    spent runnable but waiting for a core, at one moment; its front-end processes' (all
+    their threads) apart."""
 
     metrics: dict[str, float]
     cpu: dict[str, float]
     wait: dict[str, float]
+    frontends_cpu: float = 0.0
+    frontends_wait: float = 0.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -116,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--paced-ms", type=float, default=0.0, metavar="MS",
                    help="serve the GPU-paced stand-in, each forward holding MS ms, in place of "
                         "--engines; split clients draft with the rule oracle")
+    p.add_argument("--frontends", default="0", metavar="N,...",
+                   help="comma-separated cloud-server --frontends values, each served in turn: "
+                        "gRPC in that many processes of its own (0: in the server's)")
+    p.add_argument("--frontend-cores", default="1",
+                   help="run the front-end processes on these cores only ('': anywhere)")
     p.add_argument("--profile", action="store_true",
                    help="sample the server with py-spy in each cell: its Python time per "
                         "forward pass by component")
@@ -126,6 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.sessions = [int(n) for n in args.sessions.split(",")]
     args.methods = args.methods.split(",")
     args.engines = [PACED] if args.paced_ms else args.engines.split(",")
+    args.frontends = [int(n) for n in args.frontends.split(",")]
     if unknown := set(args.methods) - {"plain-api", "server-spec", *SPLIT_PACES}:
         p.error(f"unknown methods: {', '.join(sorted(unknown))}")
     if BASELINE not in args.methods:
@@ -183,13 +193,20 @@ def requests(count: int, max_new_tokens: int) -> list[OpenRequest]:
 def read_before(pid: int, metrics_port: int) -> Reading:
     """Metrics first, then the threads: the scrape's own CPU falls outside the cell."""
     metrics = server_metrics(metrics_port)
-    return Reading(metrics, *thread_times(pid))
+    return Reading(metrics, *thread_times(pid), *frontend_times(pid))
 
 
 def read_after(pid: int, metrics_port: int) -> Reading:
     """Threads first, then metrics: the scrape's own CPU falls outside the cell."""
     cpu, wait = thread_times(pid)
-    return Reading(server_metrics(metrics_port), cpu, wait)
+    return Reading(server_metrics(metrics_port), cpu, wait, *frontend_times(pid))
+
+
+def frontend_times(pid: int) -> tuple[float, float]:
+    """The server's front-end processes' CPU seconds and seconds waiting for a core, so far."""
+    times = [thread_times(child) for child in children(pid, FRONTEND_MODULE)]
+    return (sum(sum(cpu.values()) for cpu, _ in times),
+            sum(sum(wait.values()) for _, wait in times))
 
 
 def delta(after: Reading, before: Reading, key: str) -> float:
@@ -226,6 +243,8 @@ async def run_cell(client: EdgeClient, method: str, batch: list[OpenRequest], pi
             "cpu_s": {part: after.cpu[part] - before.cpu[part] for part in PARTS},
             "wait_s": {part: after.wait[part] - before.wait[part] for part in PARTS},
             "client_cpu_s": client_cpu, "client_wait_s": client_wait,
+            "frontends_cpu_s": after.frontends_cpu - before.frontends_cpu,
+            "frontends_wait_s": after.frontends_wait - before.frontends_wait,
             "samples": dict(samples), "generations": list(done)}
 
 
@@ -248,6 +267,7 @@ def summarize(cell: dict) -> dict:
            "other model thread": cpu_ms[PARTS[0]] + waited - (model_call - held),
            "model thread waited": waited,
            "event loop": cpu_ms[PARTS[1]], "gRPC and other threads": cpu_ms[PARTS[2]],
+           "front ends": 1000 * cell.get("frontends_cpu_s", 0.0) / fwd,
            "tokens per forward": cell["tokens"] / fwd,
            "forwarded per forward": cell.get("forwarded", 0.0) / fwd,
            "client ms/token": 1000 * sum(g["wall_s"] / len(g["output_ids"]) for g in gens)
@@ -262,6 +282,8 @@ def summarize(cell: dict) -> dict:
     row["server waited"] = sum(cell["wait_s"].values()) / wall
     row["clients busy"] = cell["client_cpu_s"] / wall
     row["clients waited"] = cell["client_wait_s"] / wall
+    row["front ends busy"] = cell.get("frontends_cpu_s", 0.0) / wall
+    row["front ends waited"] = cell.get("frontends_wait_s", 0.0) / wall
     if cell["paced_ms"]:  # every session in every forward, each forward its hold alone
         row["ideal tokens/s"] = (cell["sessions"] * row["tokens per forward"]
                                  / (cell["paced_ms"] / 1000))
@@ -293,6 +315,8 @@ def render(rows: list[dict]) -> str:
              f"{r['tokens/s']:.0f}",
              f"{r['share of ideal']:.2f}" if "share of ideal" in r else "-",
              f"{r['server busy']:.2f} ({r['server waited']:.2f})",
+             f"{r['front ends']:.2f}",
+             f"{r['front ends busy']:.2f} ({r['front ends waited']:.2f})",
              f"{r['clients busy']:.2f} ({r['clients waited']:.2f})") for r in rows]
     return markdown_table(("engine", "method", "sessions", "model call ms/session-fwd",
                            f"model call vs {rows[0]['engine']}",
@@ -304,6 +328,8 @@ def render(rows: list[dict]) -> str:
                            "client wall ms/token (per session)",
                            "cell wall ms/token (all sessions)", "committed tokens/s",
                            "share of ideal", "server CPU s/s (waited for a core)",
+                           "front ends' CPU ms/session-fwd",
+                           "front ends' CPU s/s (waited for a core)",
                            "clients CPU s/s (waited for a core)"), body)
 
 
@@ -339,10 +365,13 @@ def plot(rows: list[dict], path: Path) -> None:
                      "The server's Python by component (py-spy --gil)")
     elif "share of ideal" in rows[0]:
         sessions = sorted({r["sessions"] for r in rows})
+        engines = dict.fromkeys(r["engine"] for r in rows)
+        name = (lambda r: r["method"]) if len(engines) == 1 else (  # noqa: E731
+            lambda r: f"{r['method']} ({r['engine']})")
         grouped_bars(path, [f"{n} sessions" for n in sessions],
-                     {m: [r["share of ideal"] for n in sessions for r in rows
-                          if r["method"] == m and r["sessions"] == n]
-                      for m in dict.fromkeys(r["method"] for r in rows)},
+                     {series: [r["share of ideal"] for n in sessions for r in rows
+                               if name(r) == series and r["sessions"] == n]
+                      for series in dict.fromkeys(map(name, rows))},
                      "committed tokens/s / ideal",
                      f"GPU-paced stand-in ({rows[0]['paced ms']:g} ms a forward): share of "
                      "the ideal", baseline=1.0)
@@ -363,25 +392,42 @@ def rule_oracles(model: Path, max_new_tokens: int) -> DrafterPool:
 
 
 @contextlib.contextmanager
-def served(engine: str, model: Path, metrics_port: int, args: argparse.Namespace
-           ) -> Iterator[tuple[str, int]]:
+def served(engine: str, frontends: int, model: Path, metrics_port: int,
+           args: argparse.Namespace) -> Iterator[tuple[str, int]]:
     """A server of the stand-in by `engine` (PACED: the GPU-paced one), on the server's
-    cores; yields its address and process id."""
+    cores, its `frontends` front-end processes on theirs; yields its address and process
+    id."""
     shared = ("--model", str(model), "--metrics-port", str(metrics_port),
-              "--max-sessions", str(max(args.sessions) + 4))
+              "--max-sessions", str(max(args.sessions) + 4), "--frontends", str(frontends))
     cores = parse_cores(args.server_cores)
     if engine == PACED:
-        with module_server(PACED_MODULE, *shared, "--paced-ms", str(args.paced_ms),
-                           cores=cores) as address:
-            yield address, server_pid(PACED_MODULE)
-        return
-    with cloud_server(*shared, "--weights", "fp32", "--device", args.device, "--engine",
-                      engine, "--drafter-dir", "none", "--quiet", cores=cores) as address:
-        yield address, server_pid()
+        server = module_server(PACED_MODULE, *shared, "--paced-ms", str(args.paced_ms),
+                               cores=cores)
+    else:
+        server = cloud_server(*shared, "--weights", "fp32", "--device", args.device,
+                              "--engine", engine, "--drafter-dir", "none", "--quiet",
+                              cores=cores)
+    with server as address:
+        pid = server_pid(PACED_MODULE if engine == PACED else "cloud_server.cli")
+        if frontend_cores := parse_cores(args.frontend_cores):
+            for child in children(pid, FRONTEND_MODULE):
+                os.sched_setaffinity(child, frontend_cores)
+        yield address, pid
 
 
-async def run_all(address: str, pid: int, metrics_port: int, engine: str, model: Path,
-                  args: argparse.Namespace) -> list[dict]:
+def frontends_placement(args: argparse.Namespace) -> str:
+    if not any(args.frontends):
+        return ""
+    return f"; front-end processes on cores {args.frontend_cores or 'any'}"
+
+
+def label(engine: str, frontends: int) -> str:
+    return engine if not frontends else f"{engine}, {frontends} front end" + (
+        "s" if frontends > 1 else "")
+
+
+async def run_all(address: str, pid: int, metrics_port: int, engine: str, name: str,
+                  model: Path, args: argparse.Namespace) -> list[dict]:
     """Every (sessions, method) cell, each method through a client of its own, warmed once."""
     batches = {n: requests(n, args.max_new_tokens) for n in args.sessions}
     warm = prompts.load(prompts.SETS[0], 1)[0]["prompt"]
@@ -393,12 +439,12 @@ async def run_all(address: str, pid: int, metrics_port: int, engine: str, model:
             for method in args.methods:
                 cell = await run_cell(clients[method], method, batches[n], pid, metrics_port,
                                       args.profile)
-                cell["engine"], cell["paced_ms"] = engine, args.paced_ms
+                cell["engine"], cell["paced_ms"] = name, args.paced_ms
                 cells.append(cell)
                 row = summarize(cell)
                 share = (f", {row['share of ideal']:.2f} of the ideal"
                          if "share of ideal" in row else "")
-                log(f"  {engine:>12} {method:>14} x{n:<3} {row['total']:6.2f} ms/session-forward "
+                log(f"  {name:>12} {method:>14} x{n:<3} {row['total']:6.2f} ms/session-forward "
                     f"({row['model call']:.2f} model call), {row['tokens per forward']:.2f} "
                     f"tokens/session-forward{share}")
     return cells
@@ -411,9 +457,11 @@ def main(argv: list[str] | None = None) -> int:
         os.sched_setaffinity(0, client_cores)  # this process: the clients
     cells = []
     for engine in args.engines:
-        metrics_port = free_port()
-        with served(engine, model, metrics_port, args) as (address, pid):
-            cells += asyncio.run(run_all(address, pid, metrics_port, engine, model, args))
+        for frontends in args.frontends:
+            metrics_port = free_port()
+            with served(engine, frontends, model, metrics_port, args) as (address, pid):
+                cells += asyncio.run(run_all(address, pid, metrics_port, engine,
+                                             label(engine, frontends), model, args))
     rows = with_ratios([summarize(c) for c in cells])
     mismatches = differing(cells)
     served_by = (f"the GPU-paced stand-in (testkit/paced_target.py: {args.paced_ms:g} ms a "
@@ -433,11 +481,13 @@ def main(argv: list[str] | None = None) -> int:
               f"model-thread: that thread's CPU time plus its waits for a core, less the model "
               f"call (less its host part, where the paced stand-in held in it); wire: CPU time "
               f"of the event loop and gRPC's (and other) threads. "
-              f"{machine()}; {placement(args)}\n\n")
+              f"{machine()}; {placement(args)}{frontends_placement(args)}\n\n")
     profile = ("\n" + render_profile(rows) + "\n") if args.profile else ""
     write_results(args.name, header + render(rows) + "\n" + profile)
     (RESULTS / f"{args.name}.json").write_text(
-        json.dumps({"args": vars(args), "differing": mismatches, "cells": cells,
+        json.dumps({"args": vars(args), "differing": mismatches, "cells": [
+            {**c, "generations": [{k: v for k, v in g.items() if not isinstance(v, list)}
+                                  for g in c["generations"]]} for c in cells],
                     "rows": rows}, indent=1))
     plot(rows, RESULTS / f"{args.name}.png")
     return 0

@@ -43,6 +43,8 @@ COMPONENTS: tuple[tuple[str, tuple[str, ...]], ...] = (
                                                "decoding/activation_rows.py")),
     ("metrics", ("rpc/metrics.py", "prometheus_client/")),
     ("wire codec (protobuf)", ("shared/wire.py", "shared/messages.py", "google/protobuf/")),
+    ("frames to and from the front ends", ("rpc/frames.py", "rpc/relay.py",
+                                           "asyncio/streams.py")),
     ("service, streams, inbox/outbox (and grpc.aio's Python)", ("cloud_server/rpc/",
                                                                "/grpc/")),
     ("event loop: polling (select)", ("/selectors.py",)),

@@ -29,6 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--metrics-port", type=int, default=None)
+    p.add_argument("--frontends", type=int, default=0, help="as cloud-server's")
     return p.parse_args(argv)
 
 
@@ -45,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded {target.model_id}: {target.engine.describe()}", file=sys.stderr, flush=True)
     if args.metrics_port is not None:
         service.metrics.serve(args.host, args.metrics_port)
-    asyncio.run(serve(service, args.host, args.port))
+    asyncio.run(serve(service, args.host, args.port, frontends=args.frontends))
     return 0
 
 

@@ -64,7 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def server_pid(module: str = "cloud_server.cli") -> int:
     """The server process this one started: a cloud-server, or `python -m module`."""
-    me = str(os.getpid())
+    found = children(os.getpid(), module)
+    if not found:
+        raise RuntimeError(f"no {module} child process found")
+    return found[0]
+
+
+def children(pid: int, module: str) -> list[int]:
+    """The processes `pid` started whose command line names `module`."""
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -73,9 +81,9 @@ def server_pid(module: str = "cloud_server.cli") -> int:
             command = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        if parent == me and module.encode() in command:
-            return int(entry.name)
-    raise RuntimeError(f"no {module} child process found")
+        if parent == str(pid) and module.encode() in command:
+            found.append(int(entry.name))
+    return found
 
 
 def thread_cpu(pid: int) -> Counter:
