@@ -21,15 +21,18 @@ import grpc
 import pytest
 
 from cloud_server.config import ServerConfig
-from cloud_server.rpc.frames import FrameStream, Kind, LinkClosed
+from cloud_server.rpc.frames import FrameStream, Kind, LinkClosed, opening
 from cloud_server.rpc.frontend_processes import FrontEnds, socket_path
+from cloud_server.rpc.relay import SERVICE, EngineRelay
 from cloud_server.rpc.security import Security
 from shared.messages import Limits
 from shared.pb.splitdec.v1 import splitdec_pb2 as pb
 from shared.pb.splitdec.v1 import splitdec_pb2_grpc as pb_grpc
 from testkit.cli_harness import QUESTION, running_server
 from testkit.raw_stream import open_msg
+from testkit.waiting import wait_until
 from tests.server_harness import ServerThread
+from tests.test_metrics import test_metrics_follow_a_generation  # noqa: F401
 from tests.test_resume_and_baselines import (  # noqa: F401 - run again through front ends
     test_a_broken_paced_stream_leaves_its_session_running_to_the_lead,
     test_resume_sends_what_a_lost_verdict_carried, test_server_side_generation_equals_plain_greedy,
@@ -83,14 +86,86 @@ def mtls_server(tiny_target, pki, mtls):
         yield server
 
 
-def _open_and_hold(address: str) -> tuple[str, list[int], grpc.Future, grpc.Channel]:
+def _open_and_hold(address: str, timeout_s: float = 30
+                   ) -> tuple[str, list[int], grpc.Future, grpc.Channel]:
     """A Decode stream that opens a session and then stays open, sending nothing more."""
     channel = grpc.insecure_channel(address)
     outgoing: queue.Queue = queue.Queue()
     outgoing.put(open_msg(ids=[5, 6, 7], max_new_tokens=40))
-    call = pb_grpc.SplitDecodingStub(channel).Decode(iter(outgoing.get, None), timeout=30)
+    call = pb_grpc.SplitDecodingStub(channel).Decode(iter(outgoing.get, None),
+                                                      timeout=timeout_s)
     opened, first = next(call), next(call)
     return opened.opened.session_id, list(first.verdict.tokens), call, channel
+
+
+def _resumed(address: str, session: str, first: list[int]) -> bool:
+    resume = open_msg(ids=[5, 6, 7], max_new_tokens=40,
+                      resume=pb.Resume(session_id=session, generated_ids=first))
+    with grpc.insecure_channel(address) as channel:
+        answers = list(pb_grpc.SplitDecodingStub(channel).Decode(iter([resume]), timeout=30))
+    return answers[0].opened.resumed
+
+
+def test_a_call_past_its_deadline_ends_and_its_session_waits_for_a_resume(isolated_server):
+    session, first, call, channel = _open_and_hold(isolated_server.address, timeout_s=1.0)
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call)
+    channel.close()
+    assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until(lambda: isolated_server.service.sessions.orphan(session) is not None, 3,
+               "the front end's cancel to reach the engine's handler")
+    assert _resumed(isolated_server.address, session, first)
+
+
+class Hanging:
+    """A service whose Decode waits until cancelled, and says so."""
+
+    def __init__(self) -> None:
+        self.cancelled = asyncio.Event()
+
+    async def Decode(self, request, context) -> None:  # noqa: N802 - the RPC's name
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+async def _handler_cancelled_by(end: str) -> bool:
+    """Opens a Decode call on the engine's relay, then ends it as a front end would: `end`
+    "cancel" sends CANCEL, "close" closes the link (the front end died)."""
+    service = Hanging()
+    relay, path = EngineRelay(service), socket_path()
+    await relay.listen(path)
+    link = FrameStream(*await asyncio.open_unix_connection(path))
+    link.send(1, Kind.OPEN, opening(f"/{SERVICE.full_name}/Decode", "ipv4:127.0.0.1:1", None))
+    await asyncio.sleep(0.1)
+    if end == "cancel":
+        link.send(1, Kind.CANCEL)
+    else:
+        link.close()
+    try:
+        await asyncio.wait_for(service.cancelled.wait(), 5)
+        return True
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        link.close()
+        await relay.close()
+
+
+@pytest.mark.parametrize("end", ["cancel", "close"])
+def test_a_call_its_front_end_ends_cancels_its_handler(end):
+    assert asyncio.run(_handler_cancelled_by(end))
+
+
+def test_a_message_over_the_limit_is_refused_by_the_front_end(tiny_server):
+    huge = pb.ClientMessage(open=pb.Open(input_ids=pb.TokenIds(ids=[5]),
+                                         stop_strings=["x" * (Limits().max_message_bytes + 1)]))
+    with grpc.insecure_channel(tiny_server.address) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            list(pb_grpc.SplitDecodingStub(channel).Decode(iter([huge]), timeout=20))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 def test_a_front_end_that_dies_is_replaced_and_its_sessions_wait_for_a_resume(tiny_target):
@@ -106,11 +181,7 @@ def test_a_front_end_that_dies_is_replaced_and_its_sessions_wait_for_a_resume(ti
         while server.front_ends.processes[0] is killed and time.monotonic() < deadline:
             time.sleep(0.1)
         assert server.front_ends.processes[0] is not killed, "no front end replaced it"
-        resume = open_msg(ids=[5, 6, 7], max_new_tokens=40,
-                          resume=pb.Resume(session_id=session, generated_ids=first))
-        with grpc.insecure_channel(server.address) as again:
-            answers = list(pb_grpc.SplitDecodingStub(again).Decode(iter([resume]), timeout=30))
-        assert answers[0].opened.resumed, "the session was not kept for its resume"
+        assert _resumed(server.address, session, first), "the session was not kept for a resume"
         assert not server.failures
 
 
