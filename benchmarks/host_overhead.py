@@ -64,12 +64,13 @@ from benchmarks.common import (free_port, RESULTS, add_placement_args, cloud_ser
                                parse_cores, placement, stacked_bars, write_results)
 from benchmarks.latency import SPLIT_PACES, method_clients, run_method
 from benchmarks.reliability import server_metrics
-from benchmarks.server_cpu import PARTS, SETTLE_S, children, server_pid, thread_times
+from benchmarks.server_cpu import PARTS, SETTLE_S, server_pid, thread_times
 from edge_client.client import EdgeClient
 from edge_client.drafter_source import DrafterPool
 from shared import prompt_sets as prompts
 from shared.cache import cache_root
 from shared.messages import ChatMessage, OpenRequest
+from testkit.processes import children
 
 METHODS = ("plain-api", "server-spec", "split-lockstep")
 BASELINE = "plain-api"

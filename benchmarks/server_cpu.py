@@ -26,6 +26,7 @@ from benchmarks.common import (RESULTS, add_placement_args, cloud_server, machin
                                write_results)
 from benchmarks.latency import SPLIT_PACES, generations, run_method
 from cloud_server.model_thread import MODEL_THREAD_NAME
+from testkit.processes import children
 from shared import prompt_sets as prompts
 
 PARTS = ("model thread", "event loop", "gRPC and other threads")
@@ -68,22 +69,6 @@ def server_pid(module: str = "cloud_server.cli") -> int:
     if not found:
         raise RuntimeError(f"no {module} child process found")
     return found[0]
-
-
-def children(pid: int, module: str) -> list[int]:
-    """The processes `pid` started whose command line names `module`."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
-            command = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if parent == str(pid) and module.encode() in command:
-            found.append(int(entry.name))
-    return found
 
 
 def thread_cpu(pid: int) -> Counter:

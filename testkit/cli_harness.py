@@ -28,9 +28,7 @@ def first_line(command: list[str], prefix: str, timeout_s: float) -> Iterator[st
     stops it with SIGTERM on the way out (it must exit 0)."""
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-        assert ready, f"{command[2]} printed nothing in {timeout_s} s"
-        line = proc.stdout.readline().strip()
+        line = first_line_of(proc, timeout_s)
         assert line.startswith(prefix), f"unexpected first line {line!r}"
         yield line.removeprefix(prefix)
     finally:
@@ -44,9 +42,17 @@ def server_process(port: int, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", str(port),
                              *SERVER_FLAGS, "--quiet", *extra], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    ready, _, _ = select.select([proc.stdout], [], [], STARTUP_TIMEOUT_S)
-    assert ready and proc.stdout.readline().startswith("listening on "), "no server"
+    assert first_line_of(proc, STARTUP_TIMEOUT_S).startswith("listening on "), "no server"
     return proc
+
+
+def first_line_of(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The first line `proc` prints on its stdout (a pipe, text), stripped; fails if it
+    prints none within `timeout_s`."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    assert ready, f"{proc.args} printed nothing in {timeout_s} s"
+    return proc.stdout.readline().strip()
 
 
 @contextlib.contextmanager

@@ -68,3 +68,36 @@ def test_netsim_stopped_as_it_listens_stops(monkeypatch):
     stop_when_ready(netsim_cli, "listening on ", monkeypatch)
     run_until_stopped(lambda: netsim_cli.serve("127.0.0.1:0", "127.0.0.1:9",
                                                NetworkConditions()))
+
+
+@pytest.mark.usefixtures("missed_stops")
+def test_cloud_server_with_front_ends_stopped_as_it_listens_drains(tiny_target, monkeypatch):
+    stop_when_ready(cloud_server, "listening on ", monkeypatch)
+    service = build_service(tiny_target, ServerConfig())
+    run_until_stopped(lambda: cloud_server.serve(service, "127.0.0.1", 0, frontends=2))
+
+
+def test_ctrl_c_stops_the_server_and_its_front_ends_together(tiny_model_dir):
+    """Ctrl-C reaches every process of the terminal's group: the front ends leave the stop to
+    the server, which drains them and exits 0, none replaced and none left behind."""
+    import subprocess
+    import sys
+
+    from testkit.cli_harness import first_line_of
+    from testkit.processes import children
+
+    proc = subprocess.Popen([sys.executable, "-m", "cloud_server.cli", "--port", "0",
+                             "--model", str(tiny_model_dir), "--drafter-dir", "none",
+                             "--frontends", "2", "--quiet"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert first_line_of(proc, STARTUP_TIMEOUT_S).startswith("listening on ")
+        front_ends = children(proc.pid, "cloud_server.rpc.frontend")
+        assert len(front_ends) == 2
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0, proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "starting another" not in (proc.stderr.read() if proc.stderr else "")
+    assert not any(os.path.exists(f"/proc/{pid}") for pid in front_ends)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from typing import Any
 
@@ -23,7 +24,6 @@ from cloud_server.rpc.health_check import SERVICE_NAME
 from cloud_server.rpc.relay import METHODS, SERVICE, TAKEN
 from cloud_server.rpc.security import Security
 from shared import keepalive
-from shared.signals import stop_requested
 
 GRACE_S = 5.0
 ENGINE_GONE = "the server's engine process is gone"
@@ -134,8 +134,12 @@ class EngineLink:
 
 
 async def serve(settings: dict) -> int:
-    """Serves until SIGTERM or SIGINT (then drains for GRACE_S) or until the engine goes."""
-    stopping = stop_requested()
+    """Serves until SIGTERM (then drains for GRACE_S) or until the engine goes. Ctrl-C's
+    SIGINT, which reaches every process of the terminal's group, is the engine's to act on:
+    it stops its front ends itself, and one gone early would be replaced meanwhile."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    stopping = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
     reader, writer = await asyncio.open_unix_connection(settings["socket"])
     link = EngineLink(FrameStream(reader, writer))
     pem = lambda key: None if settings[key] is None else settings[key].encode()  # noqa: E731

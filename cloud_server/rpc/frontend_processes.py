@@ -81,6 +81,10 @@ class FrontEnds:
             line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
         except asyncio.TimeoutError:
             line = b""
+        except asyncio.CancelledError:  # the server stops while this one starts
+            process.kill()
+            await process.wait()
+            raise
         if not line.startswith(b"bound "):
             if process.returncode is None:
                 process.kill()
