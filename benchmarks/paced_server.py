@@ -14,8 +14,12 @@ from pathlib import Path
 
 from cloud_server.config import ServerConfig
 from cloud_server.model_thread import ModelThread
+from cloud_server.rpc.relay import EngineRelay
 from cloud_server.rpc.server import build_service, serve
+from cloud_server.rpc.service import SplitDecodingService
+from shared import gc_freeze
 from shared.messages import Limits
+from shared.signals import stop_requested
 from testkit.paced_target import paced_target
 
 
@@ -30,6 +34,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-sessions", type=int, default=16)
     p.add_argument("--metrics-port", type=int, default=None)
     p.add_argument("--frontends", type=int, default=0, help="as cloud-server's")
+    p.add_argument("--engine-socket", metavar="PATH",
+                   help="serve no gRPC: only the engine's side of the front ends' frames, on "
+                        "this Unix socket (benchmarks/engine_capacity.py speaks them)")
     return p.parse_args(argv)
 
 
@@ -46,8 +53,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"loaded {target.model_id}: {target.engine.describe()}", file=sys.stderr, flush=True)
     if args.metrics_port is not None:
         service.metrics.serve(args.host, args.metrics_port)
-    asyncio.run(serve(service, args.host, args.port, frontends=args.frontends))
+    if args.engine_socket:
+        asyncio.run(serve_engine(service, args.engine_socket))
+    else:
+        asyncio.run(serve(service, args.host, args.port, frontends=args.frontends))
     return 0
+
+
+async def serve_engine(service: SplitDecodingService, path: str) -> None:
+    """The engine's process as `--frontends` runs it, its front ends left to the caller:
+    the relay on `path` until SIGTERM."""
+    stopping = stop_requested()
+    relay = EngineRelay(service)
+    await relay.listen(path)
+    gc_freeze.freeze_loaded()
+    service.start_reaper()
+    print(f"listening on unix:{path}", flush=True)
+    await stopping.wait()
+    await relay.close()
+    service.shutdown()
 
 
 if __name__ == "__main__":
