@@ -46,7 +46,7 @@ def accept_greedy(tree: DraftTree, target_argmax: np.ndarray) -> Acceptance:
     node = ROOT
     while True:
         want = int(target_argmax[node + 1])
-        match = next((c for c in tree.children(node) if tree.tokens[c] == want), None)
+        match = tree.child(node, want)
         if match is None:
             tokens = tuple(tree.tokens[i] for i in accepted) + (want,)
             return Acceptance(tuple(accepted), tokens)
@@ -188,7 +188,6 @@ def accept_exponential_race(tree: DraftTree, p: np.ndarray, seed: int,
     def step(node: int) -> tuple[int | None, int]:
         depth = 0 if node == ROOT else int(depths[node]) + 1
         winner = race_winner(p[node + 1], race_noise(seed, position + depth, vocab))
-        child = next((c for c in tree.children(node) if tree.tokens[c] == winner), None)
-        return child, winner
+        return tree.child(node, winner), winner
 
     return _walk(tree, step)

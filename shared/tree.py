@@ -93,10 +93,16 @@ class DraftTree:
             path.append(node := found)
         return path
 
+    def child(self, node: int, token: int) -> int | None:
+        """The first child of `node` (ROOT: the first level) holding `token`, if any."""
+        return self._child.get((node, token))
+
     @cached_property
     def _child(self) -> dict[tuple[int, int], int]:
-        """(parent, token) -> node, once per tree: a forward walks its trees several times."""
-        return {key: i for i, key in enumerate(zip(self.parents, self.tokens))}
+        """(parent, token) -> its first node, once per tree: a forward walks its trees several
+        times. Built from the last node back, so that the first of repeated siblings wins."""
+        n = len(self)
+        return dict(zip(zip(reversed(self.parents), reversed(self.tokens)), range(n - 1, -1, -1)))
 
     def prefix(self, n: int) -> "DraftTree":
         """The first `n` nodes: a tree, since every node comes after its parent."""

@@ -62,15 +62,17 @@ def test_depths_and_mask_equal_the_node_by_node_definition(tree: DraftTree):
 @given(trees(), st.data())
 def test_walk_and_subtree_equal_the_node_by_node_definition(tree: DraftTree, data: st.DataObject):
     tokens = data.draw(st.lists(st.integers(0, 5), max_size=8))
-    child = {}
+    child: dict = {}
     for i, key in enumerate(zip(tree.parents, tree.tokens)):
-        child[key] = i  # a repeated sibling: the last one, as a dict built in node order keeps
+        child.setdefault(key, i)  # a repeated sibling: the first, as the drafter ranked it
     path, node = [], ROOT
     for token in tokens:
         if (node, token) not in child:
             break
         path.append(node := child[(node, token)])
     assert tree.walk(tokens) == path
+    assert all(tree.child(parent, token) == child.get((parent, token))
+               for parent in range(ROOT, len(tree)) for token in range(6))
     node = data.draw(st.integers(ROOT, len(tree) - 1))
     assert tree.subtree_nodes(node) == subtree_by_mask(tree, node)
 
