@@ -218,6 +218,26 @@ class TargetModel:
         if len(jobs) > 1 and not self.batchable:
             raise RuntimeError(f"{self.model_id} cannot run several sessions in one forward")
         self.engine.run(jobs, next((job.capture for job in jobs if job.capture), ()))
+        read_to_host(jobs)
+
+
+def read_to_host(jobs: Sequence[ForwardJob]) -> None:
+    """What the sessions read of a forward's logits on the host (ForwardJob.greedy,
+    .successors_k), computed where the logits are and copied in one transfer: on a GPU one
+    sync a forward rather than one or two a session, as a batch's sampling is done in the
+    serving engines (vLLM's sampler, SGLang's)."""
+    argmax = [job for job in jobs if job.greedy]
+    best = [job for job in jobs if job.successors_k]
+    parts = ([job.logits.argmax(-1) for job in argmax]
+             + [job.logits.topk(job.successors_k, dim=-1).indices for job in best])
+    if not parts:
+        return
+    flat = torch.cat([part.reshape(-1) for part in parts]).cpu().numpy()
+    pieces = np.split(flat, np.cumsum([part.numel() for part in parts])[:-1])
+    for job, piece in zip(argmax, pieces):
+        job.choices = piece
+    for job, piece, part in zip(best, pieces[len(argmax):], parts[len(argmax):]):
+        job.successors = piece.reshape(part.shape)
 
 
 def slot_plan(limits: Limits) -> SlotPlan:

@@ -27,6 +27,33 @@ def random_tree(rng: np.random.Generator, n: int, vocab: int) -> DraftTree:
     return DraftTree(tuple(int(t) for t in rng.integers(3, vocab, n)), parents)
 
 
+def test_a_forward_hands_every_session_its_reads_in_one_copy_to_the_host(tiny_target,
+                                                                         monkeypatch):
+    """Each greedy job's argmax a row and each watching job's top-k come from one copy of the
+    forward's results to the host: on a GPU one sync a forward, not one a session."""
+    rng = np.random.default_rng(2)
+    vocab = tiny_target.vocab_size
+    jobs = []
+    for n, greedy, k in ((3, True, 0), (9, True, 4), (5, False, 2), (4, False, 0)):
+        cache, _ = tiny_target.prefill([int(t) for t in rng.integers(3, vocab, 6)])
+        job = tiny_target.tree_job(cache, 5, random_tree(rng, n, vocab))
+        job.greedy, job.successors_k = greedy, k
+        jobs.append(job)
+    copies = []
+    copy = torch.Tensor.cpu
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda t, *a, **kw: copies.append(t) or copy(t))
+    tiny_target.run(jobs)
+    monkeypatch.undo()
+    assert len(copies) == 1
+    for job, (greedy, k) in zip(jobs, ((True, 0), (True, 4), (False, 2), (False, 0))):
+        rows = job.logits.argmax(-1).numpy()
+        assert (job.choices is not None) is greedy
+        assert not greedy or job.choices.tolist() == rows.tolist()
+        assert (job.successors is not None) is bool(k)
+        if k:
+            assert job.successors.tolist() == job.logits.topk(k, dim=-1).indices.tolist()
+
+
 def prompts(count: int, seed: int = 0) -> list[list[int]]:
     """Repetitive prompts (lookup drafts get accepted) of quite different lengths."""
     rng = np.random.default_rng(seed)

@@ -17,8 +17,8 @@ from transformers import DynamicCache
 
 from cloud_server.decoding.activation_rows import ActivationSource, RowKeeper
 from cloud_server.decoding.admission import SessionSpec, admit
-from cloud_server.engine.interface import Work
-from cloud_server.target import TargetModel
+from cloud_server.engine.interface import ForwardJob, Work
+from cloud_server.target import TargetModel, read_to_host
 from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
     accept_topk_drafts,
@@ -68,11 +68,24 @@ class Session:
         next tokens at each, [inputs, k] best first (Token Recycling, decoding/recycling.py)."""
         self._successors = (k, hook)
 
-    def _recycle(self, inputs: Sequence[int], logits: torch.Tensor) -> None:
-        """logits: [len(inputs), vocab]."""
-        if self._successors is not None:
-            k, hook = self._successors
-            hook(inputs, logits.topk(k, dim=-1).indices.cpu().numpy())
+    def _recycle(self, inputs: Sequence[int], successors: np.ndarray | None) -> None:
+        """successors: [len(inputs), k], the target's best next tokens at each input."""
+        if self._successors is not None and successors is not None:
+            self._successors[1](inputs, successors)
+
+    def _last_row(self, logits: torch.Tensor) -> ForwardJob:
+        """The prefill's last row [vocab] as a forward's job, with what the session reads of
+        it on the host (once a session: the prefill is chunked apart from the others)."""
+        job = self._wants(ForwardJob(self._kv, (), np.zeros(0), None, range(1), (),
+                                     logits[None]))
+        read_to_host([job])
+        return job
+
+    def _wants(self, job: ForwardJob) -> ForwardJob:
+        """`job`, asking the forward for what this session reads of its logits on the host."""
+        job.greedy = self.spec.acceptance is AcceptanceMode.GREEDY
+        job.successors_k = 0 if self._successors is None else self._successors[0]
+        return job
 
     @property
     def _kv(self) -> DynamicCache:
@@ -114,9 +127,10 @@ class Session:
         logits, hidden = yield from self.target.prefill_jobs(self._cache, self.committed,
                                                              self._captured_layers())
         self._keep_rows(0, hidden)
-        self._recycle(self.committed[-1:], logits[None])
+        last = self._last_row(logits)
+        self._recycle(self.committed[-1:], last.successors)
         empty = DraftTree((), ())
-        acceptance = self._accept(empty, logits[None], self._q_rows(empty, ()))
+        acceptance = self._accept(empty, last, self._q_rows(empty, ()))
         return self._verdict((), self._commit(acceptance.tokens), 0, start)
 
     def catch_up(self, resume: Resume) -> Verdict:
@@ -147,11 +161,12 @@ class Session:
         q_rows = self._q_rows(tree, proposal.q)
         start = time.perf_counter()
         base = len(self.committed) - 1
-        job = self.target.tree_job(self._kv, self.committed[-1], tree, self._captured_layers())
+        job = self._wants(self.target.tree_job(self._kv, self.committed[-1], tree,
+                                               self._captured_layers()))
         yield job
         self.rounds += 1
-        self._recycle((self.committed[-1], *tree.tokens), job.logits)
-        acceptance = self._accept(tree, job.logits, q_rows)
+        self._recycle((self.committed[-1], *tree.tokens), job.successors)
+        acceptance = self._accept(tree, job, q_rows)
         self.target.keep_path(self._kv, base, acceptance.accepted_nodes)
         kept = [0, *(1 + i for i in acceptance.accepted_nodes)]  # the inputs left in the cache
         self._keep_rows(base, None if job.hidden is None else job.hidden[kept])
@@ -203,14 +218,16 @@ class Session:
             return None
         return QRows(tree, q, self.target.vocab_size)
 
-    def _accept(self, tree: DraftTree, logits: torch.Tensor, q: QRows | None = None
+    def _accept(self, tree: DraftTree, job: ForwardJob, q: QRows | None = None
                 ) -> Acceptance:
-        """The session's acceptance rule on logits: [1 + n, vocab] (docs/architecture.md,
-        Verification); row 0 predicts the token at position len(committed)."""
+        """The session's acceptance rule on the job's logits: [1 + n, vocab]
+        (docs/architecture.md, Verification); row 0 predicts the token at position
+        len(committed). Greedy reads the argmax the forward gathered (read_to_host)."""
         mode, seed = self.spec.acceptance, self.spec.seed
         if mode is AcceptanceMode.GREEDY:
-            return accept_greedy(tree, logits.argmax(-1).cpu().numpy())
-        p = warp(logits.cpu().numpy(), self.spec.sampling)  # [1 + n, vocab]
+            assert job.choices is not None  # asked for by _wants
+            return accept_greedy(tree, job.choices)
+        p = warp(job.logits.cpu().numpy(), self.spec.sampling)  # [1 + n, vocab]
         if mode is AcceptanceMode.EXPONENTIAL_RACE:
             return accept_exponential_race(tree, p, seed, len(self.committed))
         # Keyed by position, which only grows, so no two decisions share random numbers even

@@ -48,6 +48,13 @@ class ForwardJob:
     capture: tuple[int, ...] = ()
     logits: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     hidden: torch.Tensor | None = None
+    # What its session reads of the logits on the host, filled for every job of a forward at
+    # once (TargetModel.run): `greedy` asks each row's argmax into `choices` [len(rows)];
+    # `successors_k` each row's k best tokens into `successors` [len(rows), k], best first.
+    greedy: bool = False
+    choices: np.ndarray | None = None
+    successors_k: int = 0
+    successors: np.ndarray | None = None
 
 
 Work = Generator[ForwardJob, None, T]
