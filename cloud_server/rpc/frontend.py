@@ -11,6 +11,7 @@ process exits 1.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -19,7 +20,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from cloud_server.rpc.frames import FrameStream, Kind, LinkClosed, opening
+from cloud_server.rpc.frames import FrameStream, Kind, LinkClosed, opening, status
 from cloud_server.rpc.health_check import SERVICE_NAME
 from cloud_server.rpc.relay import METHODS, SERVICE, TAKEN
 from cloud_server.rpc.security import Security
@@ -56,8 +57,7 @@ class EngineLink:
         except LinkClosed:
             self.lost = True
             for queue in self._calls.values():
-                queue.put_nowait((Kind.STATUS, json.dumps(
-                    {"code": "UNAVAILABLE", "details": ENGINE_GONE}).encode()))
+                queue.put_nowait((Kind.STATUS, status("UNAVAILABLE", ENGINE_GONE)))
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The service's methods, each relayed with gRPC's bytes as they are."""
@@ -114,23 +114,26 @@ class EngineLink:
             if pump is not None:
                 pump.cancel()
             if not ended and not self.lost:
-                self._link.send(call, Kind.CANCEL)
+                with contextlib.suppress(LinkClosed):  # the engine went meanwhile
+                    self._link.send(call, Kind.CANCEL)
         return None
 
     @staticmethod
     async def _end(context: grpc.aio.ServicerContext, payload: bytes,
                    response: bytes | None) -> bytes | None:
-        status = json.loads(payload)
-        if status["code"] != "OK":
-            await context.abort(grpc.StatusCode[status["code"]], status["details"])
+        ended = json.loads(payload)
+        if ended["code"] != "OK":
+            await context.abort(grpc.StatusCode[ended["code"]], ended["details"])
         return response
 
     async def _pump(self, call: int, context: grpc.aio.ServicerContext) -> None:
-        """The client's messages to the engine as they come, then its half-close."""
-        while (message := await context.read()) is not grpc.aio.EOF:
-            self._link.send(call, Kind.MSG, message)
-            await self._link.drain()
-        self._link.send(call, Kind.END)
+        """The client's messages to the engine as they come, then its half-close. If the
+        engine goes meanwhile, the call's own loop ends it."""
+        with contextlib.suppress(LinkClosed):
+            while (message := await context.read()) is not grpc.aio.EOF:
+                self._link.send(call, Kind.MSG, message)
+                await self._link.drain()
+            self._link.send(call, Kind.END)
 
 
 async def serve(settings: dict) -> int:
