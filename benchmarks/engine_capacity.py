@@ -42,7 +42,7 @@ from benchmarks import host_profile
 from benchmarks.host_overhead import PACED_MODULE, render_profile, requests, standin_dir
 from benchmarks.reliability import server_metrics
 from benchmarks.server_cpu import server_pid, thread_times
-from cloud_server.rpc.frames import FrameStream, Kind
+from cloud_server.rpc.frames import FrameStream, Kind, opening
 from cloud_server.rpc.relay import SERVICE, TAKEN
 from edge_client.server_only import SERVER_DRAFTER
 from shared import wire
@@ -124,8 +124,7 @@ class Driver:
     def open(self, method: str) -> Call:
         call = len(self._calls) + 1
         self._calls[call] = asyncio.Queue()
-        self._link.send(call, Kind.OPEN, json.dumps(
-            {"method": method, "peer": "unix:driver", "cert": None}).encode())
+        self._link.send(call, Kind.OPEN, opening(method, "unix:driver", None))
         return Call(self._link, call, self._calls[call])
 
 

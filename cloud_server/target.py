@@ -164,10 +164,13 @@ class TargetModel:
         """Compacts `cache` after a tree forward to the pending token plus the accepted path."""
         self.engine.keep_path(cache, base, accepted_nodes)
 
-    def prefill_jobs(self, cache: Any, ids: Sequence[int], capture: tuple[int, ...] = ()
-                     ) -> Work[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Appends `ids` to `cache` in chunks of PREFILL_CHUNK; returns the logits after the
-        last one [vocab] and, when asked, the captured layer outputs [len(ids), L, width]."""
+    def prefill_jobs(self, cache: Any, ids: Sequence[int], capture: tuple[int, ...] = (),
+                     asks: Callable[[ForwardJob], ForwardJob] = lambda job: job
+                     ) -> Work[tuple[ForwardJob, torch.Tensor | None]]:
+        """Appends `ids` to `cache` in chunks of PREFILL_CHUNK; returns the last chunk's job,
+        its logits [1, vocab] the row after the last id (`asks` marks what its caller reads of
+        them on the host, read_to_host), and, when asked, the captured layer outputs
+        [len(ids), L, width]."""
         if not ids:
             raise ValueError("nothing to prefill")
         hidden = []
@@ -176,10 +179,10 @@ class TargetModel:
             last = start + len(chunk) == len(ids)
             job = ForwardJob(cache, chunk, cache.get_seq_length() + np.arange(len(chunk)), None,
                              range(len(chunk) - 1, len(chunk)) if last else range(0), capture)
-            yield job
+            yield asks(job) if last else job
             if job.hidden is not None:
                 hidden.append(job.hidden)
-        return job.logits[-1], torch.cat(hidden) if hidden else None
+        return job, torch.cat(hidden) if hidden else None
 
     def tree_job(self, cache: Any, pending: int, tree: DraftTree,
                  capture: tuple[int, ...] = ()) -> ForwardJob:
@@ -204,7 +207,7 @@ class TargetModel:
     def prefill(self, prompt_ids: list[int]) -> tuple[Any, torch.Tensor]:
         """Runs the prompt; returns its cache and the logits after the last token: [vocab]."""
         cache = self.new_cache()
-        return cache, self.drive(self.prefill_jobs(cache, prompt_ids))[0]
+        return cache, self.drive(self.prefill_jobs(cache, prompt_ids))[0].logits[-1]
 
     def forward_tree(self, cache: Any, pending: int, tree: DraftTree) -> torch.Tensor:
         """Appends [pending] + tree to the cache; returns logits: [1 + n, vocab]."""

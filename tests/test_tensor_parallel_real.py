@@ -46,9 +46,9 @@ def test_the_layer_the_drafter_reads_and_the_logits_are_one_processes(targets):
     layers = ServerActivations.load(drafter_dir, one.model).hidden_layers
     found = []
     for target in targets:
-        logits, hidden = target.drive(target.prefill_jobs(target.new_cache(), prompt_ids(one),
-                                                          layers))
-        found.append((logits, hidden))
+        last, hidden = target.drive(target.prefill_jobs(target.new_cache(), prompt_ids(one),
+                                                        layers))
+        found.append((last.logits[-1], hidden))
     (logits, hidden), (split_logits, split_hidden) = found
     scale = float(hidden.abs().max())
     torch.testing.assert_close(split_hidden, hidden, atol=1e-5 * scale, rtol=0)

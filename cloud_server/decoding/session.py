@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from cloud_server.decoding.activation_rows import ActivationSource, RowKeeper
 from cloud_server.decoding.admission import SessionSpec, admit
 from cloud_server.engine.interface import ForwardJob, Work
-from cloud_server.target import TargetModel, read_to_host
+from cloud_server.target import TargetModel
 from shared.acceptance import (
     Acceptance, AcceptanceMode, accept_exponential_race, accept_greedy, accept_sampled_drafts,
     accept_topk_drafts,
@@ -73,14 +73,6 @@ class Session:
         if self._successors is not None and successors is not None:
             self._successors[1](inputs, successors)
 
-    def _last_row(self, logits: torch.Tensor) -> ForwardJob:
-        """The prefill's last row [vocab] as a forward's job, with what the session reads of
-        it on the host (once a session: the prefill is chunked apart from the others)."""
-        job = self._wants(ForwardJob(self._kv, (), np.zeros(0), None, range(1), (),
-                                     logits[None]))
-        read_to_host([job])
-        return job
-
     def _wants(self, job: ForwardJob) -> ForwardJob:
         """`job`, asking the forward for what this session reads of its logits on the host."""
         job.greedy = self.spec.acceptance is AcceptanceMode.GREEDY
@@ -124,10 +116,9 @@ class Session:
         """Round 0: runs the prompt (and a resumed history) and commits the target's next token."""
         start = time.perf_counter()
         self._cache = self.target.new_cache(self.most_positions)
-        logits, hidden = yield from self.target.prefill_jobs(self._cache, self.committed,
-                                                             self._captured_layers())
+        last, hidden = yield from self.target.prefill_jobs(self._cache, self.committed,
+                                                           self._captured_layers(), self._wants)
         self._keep_rows(0, hidden)
-        last = self._last_row(logits)
         self._recycle(self.committed[-1:], last.successors)
         empty = DraftTree((), ())
         acceptance = self._accept(empty, last, self._q_rows(empty, ()))
