@@ -122,11 +122,13 @@ def test_draft_graphs_travel_folded_and_stay_lossless(tiny_target, tiny_drafter_
     from shared import wire
 
     monkeypatch.setenv("SPLITDEC_CACHE", str(tmp_path))
-    aliases: list[int] = []  # per draft with nodes that reached the server
+    aliases: list[int] = []  # per draft with room for a repeat that reached the server
     decode = wire.client_from_proto
 
     def counted(raw, max_tree_nodes):
-        if raw.HasField("draft") and raw.draft.tokens:  # a draft, not an acknowledgement
+        # the oracle repeats a subtree only with two levels of room: a paced server's node
+        # budget (Verdict.draft_nodes) may leave it one, two nodes; an acknowledgement has none
+        if raw.HasField("draft") and len(raw.draft.tokens) > 2:
             aliases.append(len(raw.draft.alias_nodes))
         return decode(raw, max_tree_nodes)
 
